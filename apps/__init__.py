@@ -1,0 +1,1 @@
+"""Reference applications built on gpipe_core: multilingual NMT and AmoebaNet."""

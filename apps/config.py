@@ -1,0 +1,126 @@
+"""Configuration for the apps: a dataclass of defaults, overridden by YAML, overridden by --key=value.
+
+Each app defines one ``@dataclass`` with a comment on every field. ``load_config`` resolves it:
+
+    defaults (the dataclass)  <  YAML file (--config=path.yaml)  <  --key=value on the command line
+
+Unknown keys are an error that names the key and lists the valid ones, so a typo never silently
+falls back to a default. ``save_config`` writes the resolved config next to a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A config file or command-line override that does not fit the config dataclass."""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin in (list, tuple, Sequence):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        item_type = args[0] if args else str
+        items = [_coerce(name, v, item_type) for v in value]
+        return tuple(items) if origin is tuple else items
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}={value!r} is not a boolean; use true or false")
+    if annotation in (int, float, str):
+        try:
+            if annotation is int and isinstance(value, str):
+                return int(float(value)) if "e" in value.lower() else int(value)
+            return annotation(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{name}={value!r} is not a valid {annotation.__name__}"
+            ) from exc
+    return value
+
+
+def _apply(config: C, updates: dict[str, Any], source: str) -> C:
+    types_by_name = _field_types(type(config))
+    unknown = sorted(set(updates) - set(types_by_name))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {unknown} in {source}; valid keys: {sorted(types_by_name)}"
+        )
+    coerced = {k: _coerce(k, v, types_by_name[k]) for k, v in updates.items()}
+    return dataclasses.replace(config, **coerced)  # type: ignore[type-var]
+
+
+def parse_overrides(argv: Sequence[str]) -> tuple[str | None, dict[str, str]]:
+    """Split ``--config=path`` and ``--key=value`` arguments; ``--key value`` is accepted too."""
+    config_path: str | None = None
+    overrides: dict[str, str] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; use --key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:  # a bare flag means true
+            key, value = arg[2:], "true"
+        key = key.replace("-", "_")
+        if key == "config":
+            config_path = value
+        else:
+            overrides[key] = value
+        i += 1
+    return config_path, overrides
+
+
+def load_config(cls: type[C], argv: Sequence[str] = (), yaml_path: str | Path | None = None) -> C:
+    """Resolve ``cls`` defaults < YAML < ``--key=value`` overrides; unknown keys raise ConfigError."""
+    config = cls()
+    cli_path, overrides = parse_overrides(argv)
+    path = cli_path or yaml_path
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of key: value, got {type(data).__name__}")
+        config = _apply(config, data, str(path))
+    return _apply(config, overrides, "command-line overrides")
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (loadable again with ``--config=path``)."""
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
