@@ -1,0 +1,21 @@
+"""GPipe pipeline parallelism for PyTorch: micro-batches, re-materialization, schedules as data."""
+
+from .batchnorm import DeferredBatchNorm
+from .gpipe import GPipe
+from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
+from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
+
+__all__ = [
+    "GPipe",
+    "DeferredBatchNorm",
+    "Balance",
+    "balance_by_params",
+    "balance_by_time",
+    "balance_by_memory",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "gpipe",
+    "one_f_one_b",
+]
+__version__ = "0.1.0"

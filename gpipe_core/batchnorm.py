@@ -1,0 +1,120 @@
+"""BatchNorm over micro-batches with running statistics of the whole mini-batch (GPipe's rule).
+
+In training each micro-batch is normalized with its own statistics, as the paper defines; the
+running mean and variance are updated once per mini-batch with the statistics of all its
+micro-batches together, so they equal what the plain module accumulates on the whole mini-batch.
+Statistics are combined with Chan et al.'s parallel algorithm (count, mean, M2) for accuracy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["DeferredBatchNorm"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """A BatchNorm (1d/2d/3d alike) that defers running-statistics updates to :meth:`commit`."""
+
+    count: Tensor
+    mean_acc: Tensor
+    m2_acc: Tensor
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, True, device=device, dtype=dtype)
+        factory = {"device": device, "dtype": dtype}
+        self.register_buffer("count", torch.zeros((), device=device), persistent=False)
+        self.register_buffer("mean_acc", torch.zeros(num_features, **factory), persistent=False)
+        self.register_buffer("m2_acc", torch.zeros(num_features, **factory), persistent=False)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"DeferredBatchNorm expects input of dim >= 2, got {input.dim()}D")
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return super().forward(input)
+        self._check_input_dim(input)
+        with torch.no_grad():
+            self._accumulate(input)
+        # Normalize by this micro-batch's statistics without touching the running ones.
+        return F.batch_norm(
+            input, None, None, self.weight, self.bias, training=True, momentum=0.0, eps=self.eps
+        )
+
+    def _accumulate(self, input: Tensor) -> None:
+        dims = [0] + list(range(2, input.dim()))
+        n = input.numel() // input.size(1)
+        x = input.detach().to(self.mean_acc.dtype)
+        mean = x.mean(dims)
+        m2 = ((x - mean.view(1, -1, *([1] * (input.dim() - 2)))) ** 2).sum(dims)
+        total = self.count + n
+        delta = mean - self.mean_acc
+        self.mean_acc += delta * (n / total)
+        self.m2_acc += m2 + delta**2 * (self.count * n / total)
+        self.count.fill_(total)
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the accumulated mini-batch statistics into the running ones, then reset."""
+        n = int(self.count.item())
+        if n == 0:
+            return
+        assert self.running_mean is not None and self.running_var is not None
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked += 1
+        if self.momentum is None:  # cumulative moving average, as nn.BatchNorm does
+            factor = 1.0 / float(self.num_batches_tracked)
+        else:
+            factor = self.momentum
+        unbiased_var = self.m2_acc / max(n - 1, 1)
+        self.running_mean.mul_(1 - factor).add_(self.mean_acc, alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased_var, alpha=factor)
+        self.count.zero_()
+        self.mean_acc.zero_()
+        self.m2_acc.zero_()
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """Return ``module`` with every ``nn.BatchNorm{1,2,3}d`` replaced by DeferredBatchNorm.
+
+        Parameters and running statistics are carried over; modules that do not track running
+        statistics are left alone (they have nothing to defer).
+        """
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls):
+            if not module.track_running_stats:
+                return module
+            weight = module.weight
+            new = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                device=module.running_mean.device if module.running_mean is not None else None,
+                dtype=module.running_mean.dtype if module.running_mean is not None else None,
+            )
+            if module.affine:
+                assert weight is not None and module.bias is not None
+                new.weight = weight
+                new.bias = module.bias
+            new.running_mean = module.running_mean
+            new.running_var = module.running_var
+            new.num_batches_tracked = module.num_batches_tracked
+            new.train(module.training)
+            return new
+        for name, child in module.named_children():
+            converted = cls.convert(child)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module

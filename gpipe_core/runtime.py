@@ -1,0 +1,89 @@
+"""Walking a stage's action list over a transport: the one place that knows both.
+
+For every action of the schedule the runtime fetches what the stage needs (the user's
+micro-batch on the first stage, a neighbour's message elsewhere), runs the stage, and hands the
+result on (to the next stage, or to the step's results on the last). The same code serves the
+single-process :class:`~gpipe_core.GPipe` (all stages, actions in clock order) and the
+multi-process :class:`~gpipe_core.DistributedGPipe` (one stage, its own action list).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from .schedule import Action
+from .stage import Stage
+from .transport import Transport
+
+__all__ = ["StepState", "StageRuntime", "TimelineEvent"]
+
+
+@dataclass
+class TimelineEvent:
+    """One action as it ran: which stage, what, and when (``time.perf_counter`` seconds)."""
+
+    stage: int
+    action: str
+    start: float
+    end: float
+
+
+@dataclass
+class StepState:
+    """Inputs and results of one step, shared by the stages that run in this process."""
+
+    step: int
+    num_microbatches: int
+    inputs: list[Any] = field(default_factory=list)  # per micro-batch, read by the first stage
+    targets: list[Any] = field(default_factory=list)  # per micro-batch, read by the last stage
+    outputs: dict[int, Any] = field(default_factory=dict)  # last stage's output per micro-batch
+    keep_outputs: bool = True  # the last stage keeps its outputs (GPipe returns them)
+    output_grads: dict[int, list[Tensor | None]] = field(default_factory=dict)  # given to last
+    input_grads: dict[int, list[Tensor | None]] = field(default_factory=dict)  # first's result
+
+
+class StageRuntime:
+    """Executes actions of one :class:`Stage`, communicating through one :class:`Transport`."""
+
+    def __init__(self, stage: Stage, transport: Transport, *, record: bool = False) -> None:
+        self.stage = stage
+        self.transport = transport
+        self.record = record
+        self.timeline: list[TimelineEvent] = []
+
+    def run(self, actions: Iterable[Action], state: StepState) -> None:
+        for action in actions:
+            self.run_action(action, state)
+
+    def run_action(self, action: Action, state: StepState) -> None:
+        stage = self.stage
+        start = time.perf_counter() if self.record else 0.0
+        mb = action.mb
+        if action.kind == "F":
+            inputs = state.inputs[mb] if stage.is_first else self.transport.recv_activation(mb)
+            targets = state.targets[mb] if stage.is_last and state.targets else None
+            outputs = stage.forward(state.step, mb, inputs, targets)
+            if stage.is_last:
+                if state.keep_outputs:
+                    state.outputs[mb] = outputs
+            else:
+                self.transport.send_activation(mb, outputs)
+        else:
+            if stage.is_last:
+                grads = None if stage.loss_fn is not None else state.output_grads.pop(mb)
+            else:
+                grads = self.transport.recv_gradient(mb)
+            input_grads = stage.backward(state.step, mb, grads)
+            if stage.is_first:
+                state.input_grads[mb] = input_grads
+            else:
+                self.transport.send_gradient(mb, input_grads)
+        if self.record:
+            self.timeline.append(
+                TimelineEvent(stage.stage_index, str(action), start, time.perf_counter())
+            )

@@ -1,0 +1,273 @@
+"""One partition on one device: runs forward and backward actions, keeps per-micro-batch state.
+
+For every micro-batch a stage keeps what its backward will need, and frees it in that backward:
+
+    re-materialized:  the partition's input only; the forward runs again, with autograd, in B
+    kept:             the input and the forward's autograd graph
+
+Inputs arrive detached (from the previous stage or the user); floating-point tensors that
+required grad on the sending side become leaves that require grad here, so backward yields the
+gradient to send back. Every layer's forward draws its randomness from a generator seeded by
+(seed, step, micro-batch, layer index), which makes the recomputed forward equal to the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .batchnorm import DeferredBatchNorm
+from .checkpoint import checkpoint_stop, derive_seed, fork_rng, seed_rng
+from .microbatch import flatten, unflatten
+
+__all__ = ["Stage", "LossFn"]
+
+LossFn = Callable[[Any, Any], Tensor]
+Grads = list[Tensor | None]
+
+
+@dataclass
+class _Saved:
+    """What a micro-batch's backward needs: leaf inputs, and the graph unless re-materialized."""
+
+    inputs: list[Any]
+    spec: Any
+    outputs: Any | None
+    targets: Any
+
+
+class Stage:
+    """Partition ``stage_index`` of ``num_stages``: the layers ``layers`` placed on ``device``."""
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, nn.Module]],
+        *,
+        stage_index: int,
+        num_stages: int,
+        first_layer_index: int,
+        device: torch.device,
+        checkpoint: str,
+        seed: int,
+        loss_fn: LossFn | None = None,
+        loss_scale: float | Callable[[int], float] | None = None,
+    ) -> None:
+        self.layers = list(layers)
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.first_layer_index = first_layer_index
+        self.device = device
+        self.checkpoint = checkpoint
+        self.seed = seed
+        self.loss_fn = loss_fn
+        self.loss_scale = loss_scale
+        checkpoint_stop(checkpoint, 1)  # validates the mode early
+        self._batchnorms = [
+            m for _, layer in self.layers for m in layer.modules() if isinstance(m, _BatchNorm)
+        ]
+        self._deferred = [m for m in self._batchnorms if isinstance(m, DeferredBatchNorm)]
+        self._saved: dict[tuple[int, int], _Saved] = {}
+        self._forwards_done: dict[int, int] = {}
+        self._num_microbatches: dict[int, int] = {}
+        self.losses: dict[tuple[int, int], Tensor] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def begin_step(self, step: int, num_microbatches: int) -> None:
+        """Announce a step of ``num_microbatches`` micro-batches (BatchNorm commits after all)."""
+        self._num_microbatches[step] = num_microbatches
+        self._forwards_done[step] = 0
+
+    def discard(self, step: int) -> None:
+        """Free everything kept for ``step`` (a forward whose backward never came)."""
+        for key in [k for k in self._saved if k[0] == step]:
+            del self._saved[key]
+        for key in [k for k in self.losses if k[0] == step]:
+            del self.losses[key]
+        self._num_microbatches.pop(step, None)
+        self._forwards_done.pop(step, None)
+
+    @property
+    def num_saved(self) -> int:
+        """Micro-batches whose backward is still pending (for tests and memory accounting)."""
+        return len(self._saved)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, step: int, mb: int, inputs: Any, targets: Any = None) -> Any:
+        """Run the partition on micro-batch ``mb``; keep what its backward needs.
+
+        Returns the partition's output (for the last stage with a ``loss_fn``, the output too;
+        the micro-batch loss is stored in ``self.losses[(step, mb)]``).
+        """
+        grad_enabled = torch.is_grad_enabled()
+        leaves, spec = flatten(inputs)
+        leaves = [_as_input_leaf(x, grad_enabled) for x in leaves]
+        num_microbatches = self._num_microbatches[step]
+        rematerialize = grad_enabled and mb < checkpoint_stop(self.checkpoint, num_microbatches)
+        if rematerialize:
+            with torch.no_grad():
+                outputs = self._run_layers(step, mb, unflatten(leaves, spec))
+                loss = self._loss(step, mb, outputs, targets)
+            kept = None
+            if self._needs_grad(leaves):
+                outputs = _mark_requires_grad(outputs)
+        else:
+            outputs = self._run_layers(step, mb, unflatten(leaves, spec))
+            loss = self._loss(step, mb, outputs, targets)
+            kept = loss if loss is not None else outputs
+        if grad_enabled:
+            self._saved[(step, mb)] = _Saved(leaves, spec, kept, targets)
+        if loss is not None:
+            self.losses[(step, mb)] = loss.detach()
+        self._forwards_done[step] += 1
+        if self._forwards_done[step] == num_microbatches:
+            for bn in self._deferred:
+                bn.commit()
+        return outputs
+
+    def _needs_grad(self, leaves: list[Any]) -> bool:
+        """Would autograd have tracked this partition's forward?"""
+        return any(isinstance(x, Tensor) and x.requires_grad for x in leaves) or any(
+            p.requires_grad for _, layer in self.layers for p in layer.parameters()
+        )
+
+    def _loss(self, step: int, mb: int, outputs: Any, targets: Any) -> Tensor | None:
+        if self.loss_fn is None:
+            return None
+        loss = self.loss_fn(outputs, targets)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            raise TypeError(
+                f"loss_fn must return a 0-dim tensor for each micro-batch, got "
+                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}"
+            )
+        scale = self.loss_scale
+        if callable(scale):
+            scale = scale(self._num_microbatches[step])
+        return loss * scale if scale is not None and scale != 1.0 else loss
+
+    def _run_layers(self, step: int, mb: int, x: Any) -> Any:
+        with fork_rng([self.device]):
+            for offset, (name, layer) in enumerate(self.layers):
+                layer_index = self.first_layer_index + offset
+                seed_rng(derive_seed(self.seed, step, mb, layer_index), self.device)
+                x = layer(x)
+                _check_output(x, layer_index, name)
+        return x
+
+    # -- backward --------------------------------------------------------------------------
+
+    def backward(self, step: int, mb: int, grad_outputs: Grads | None) -> Grads:
+        """Backpropagate micro-batch ``mb``; return one gradient (or None) per input leaf.
+
+        ``grad_outputs`` holds one gradient (or None) per output leaf; the last stage of a
+        pipeline with a ``loss_fn`` passes None and backpropagates its stored loss.
+        """
+        try:
+            saved = self._saved.pop((step, mb))
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.stage_index} has no forward state for micro-batch {mb} of step "
+                f"{step}: backward without forward, or backward twice (retain_graph is not "
+                "supported by the pipeline)"
+            ) from None
+        with torch.enable_grad():
+            outputs = saved.outputs
+            if outputs is None:
+                with self._frozen_batchnorm_stats():
+                    outputs = self._run_layers(step, mb, unflatten(saved.inputs, saved.spec))
+                    if self.loss_fn is not None:
+                        outputs = self._loss(step, mb, outputs, saved.targets)
+            if self.loss_fn is not None:
+                assert isinstance(outputs, Tensor)
+                tensors, grads = [outputs], [None]
+            else:
+                if grad_outputs is None:
+                    raise RuntimeError(f"stage {self.stage_index} needs gradients of its outputs")
+                out_leaves, _ = flatten(outputs)
+                if len(out_leaves) != len(grad_outputs):
+                    raise RuntimeError(
+                        f"stage {self.stage_index} got {len(grad_outputs)} output gradients for "
+                        f"{len(out_leaves)} outputs of micro-batch {mb}"
+                    )
+                pairs = [
+                    (o, g)
+                    for o, g in zip(out_leaves, grad_outputs, strict=True)
+                    if isinstance(o, Tensor) and o.requires_grad and g is not None
+                ]
+                tensors = [o for o, _ in pairs]
+                grads = [g for _, g in pairs]
+            if tensors and tensors[0].requires_grad:
+                torch.autograd.backward(tensors, grads)  # type: ignore[arg-type]
+        return [
+            x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in saved.inputs
+        ]
+
+    @contextmanager
+    def _frozen_batchnorm_stats(self) -> Iterator[None]:
+        """Recomputation must not update BatchNorm's running statistics a second time."""
+        if not self._batchnorms:
+            yield
+            return
+        snapshot = [
+            {name: buf.clone() for name, buf in bn.named_buffers(recurse=False)}
+            for bn in self._batchnorms
+        ]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for bn, buffers in zip(self._batchnorms, snapshot, strict=True):
+                    for name, value in buffers.items():
+                        getattr(bn, name).copy_(value)
+
+
+def _as_input_leaf(value: Any, grad_enabled: bool) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    if grad_enabled and value.requires_grad and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value.detach()
+
+
+def _mark_requires_grad(outputs: Any) -> Any:
+    """Flag floating-point outputs of a forward run without autograd as differentiable.
+
+    The next stage must know which inputs will need gradients although this forward ran under
+    ``no_grad``; an output that turns out not to depend on anything differentiable simply gets
+    its gradient dropped in backward.
+    """
+    leaves, spec = flatten(outputs)
+    leaves = [
+        x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() else x
+        for x in leaves
+    ]
+    return unflatten(leaves, spec)
+
+
+def _check_output(output: Any, layer_index: int, name: str) -> None:
+    if isinstance(output, Tensor):
+        return
+    if isinstance(output, tuple | list | dict):
+        leaves, _ = flatten(output)
+        if any(isinstance(x, Tensor) for x in leaves):
+            return
+    raise TypeError(
+        f"layer {layer_index} ({name!r}) returned {type(output).__name__}; every layer of a "
+        "pipeline must return a tensor or a tuple of tensors (non-tensor values may ride along "
+        "in the tuple)"
+    )
