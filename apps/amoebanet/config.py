@@ -1,0 +1,181 @@
+"""The AmoebaNet app's config: one dataclass of commented defaults, YAML and --key=value on top."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from apps.amoebanet.model import build_amoebanet, check_image_size
+from apps.config import ConfigError, load_config
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+# `make train-amoebanet` with no arguments uses this one (CPU, Fashion-MNIST, 2 stages).
+DEFAULT_CONFIG = CONFIG_DIR / "cpu_fashion_mnist.yaml"
+
+
+@dataclass
+class AmoebaNetConfig:
+    """Everything one AmoebaNet run needs; defaults are a small CPU model on Fashion-MNIST."""
+
+    # --- model -------------------------------------------------------------------------------
+    genotype: str = "D"  # "D" (AmoebaNet-D, Table 1 of the paper) or "B" (the 84.4% ImageNet model)
+    num_normal_cells: int = 6  # L: normal cells; reduction cells come after L/3 and 2L/3
+    filters: int = 32  # D: filters of the first normal cells (stem cells D/4, D/2; x2 per reduction)
+    num_classes: int = 10  # classifier outputs; must match the dataset's classes
+    in_chans: int = 1  # image channels: 1 for Fashion-MNIST (grayscale), 3 for ImageNet
+    image_size: int = 28  # side of the square network input after the transforms (224 in the paper)
+    stem_stride: int = 1  # 2 as in the paper; 1 keeps resolution for tiny images like 28x28
+    drop_path: float = 0.0  # drop-path probability at the last cell (grows linearly with depth)
+    dropout: float = 0.0  # dropout before the classifier's linear layer
+
+    # --- data --------------------------------------------------------------------------------
+    dataset: str = "fashion_mnist"  # "fashion_mnist" | "imagenet" | "shards" (all read shards)
+    data_dir: str = ".cache/fashion_mnist"  # folder with <split>-NNNNNN.tar and dataset.json
+    train_split: str = "train"  # split trained on
+    eval_split: str = "test"  # split evaluated on ("val" holds out 5,000 train images)
+    batch_size: int = 64  # mini-batch (split into `chunks` micro-batches by the pipeline)
+    eval_batch_size: int = 256  # batch for evaluation (no gradients, so larger is fine)
+    num_workers: int = 1  # DataLoader worker processes decoding images (0 = in the main process)
+    shuffle_buffer: int = 5000  # samples held for shuffling (shards are shuffled too)
+    skip_corrupt_shards: bool = False  # true: warn and skip a corrupt shard; false: stop naming it
+    # augmentation (timm's create_transform); defaults suit 28x28: light crops and flips only
+    crop_scale_min: float = 0.7  # RandomResizedCrop lower area bound (timm default 0.08)
+    hflip: float = 0.5  # horizontal flip probability
+    color_jitter: float = 0.0  # brightness/contrast jitter (0 = off)
+    auto_augment: str | None = None  # timm auto-augment policy, e.g. "rand-m9-mstd0.5"; None = off
+    crop_pct: float = 1.0  # eval: resize to image_size / crop_pct, center-crop image_size
+    mean: tuple[float, ...] = (0.2860,)  # per-channel normalisation (Fashion-MNIST train stats)
+    std: tuple[float, ...] = (0.3530,)
+    mixup: float = 0.0  # mixup alpha (0 = off); needs an even batch_size
+    cutmix: float = 0.0  # cutmix alpha (0 = off)
+    label_smoothing: float = 0.1  # as in AmoebaNet's reference training
+
+    # --- pipeline ----------------------------------------------------------------------------
+    num_stages: int = 2  # K: pipeline stages (torchrun ranks of the pipeline group)
+    chunks: int = 4  # M: micro-batches per mini-batch
+    schedule: str = "gpipe"  # "gpipe" (fill-drain) or "1f1b"
+    checkpoint: str = "except_last"  # re-materialization: "always" | "except_last" | "never"
+    balance: tuple[int, ...] | None = None  # layers per stage; None = balance by parameters
+
+    # --- optimisation --------------------------------------------------------------------------
+    optimizer: str = "adamw"  # timm create_optimizer_v2 name: "rmsproptf" (AmoebaNet), "adamw", "sgd"
+    lr: float = 2e-3  # peak learning rate
+    weight_decay: float = 0.05  # 4e-5 with rmsproptf in the paper
+    momentum: float = 0.9  # rmsproptf / sgd momentum
+    opt_eps: float = 1e-8  # optimizer epsilon (1.0 for rmsproptf as in AmoebaNet)
+    rmsprop_decay: float = 0.9  # rmsproptf decay (alpha)
+    scheduler: str = "cosine"  # timm create_scheduler_v2 name: "cosine", "step", "plateau", ...
+    warmup_epochs: float = 0.2  # linear warmup from warmup_lr
+    warmup_lr: float = 1e-5  # learning rate at the start of warmup
+    min_lr: float = 1e-5  # floor of the schedule
+    decay_epochs: float = 2.4  # "step" scheduler: epochs between decays (exponential decay)
+    decay_rate: float = 0.97  # "step" scheduler: factor per decay
+    epochs: int = 10  # full passes over the training split
+    max_minutes: float = 30.0  # wall-clock budget; training stops (and evaluates) when spent
+    seed: int = 0  # seeds data order, augmentation and initialisation
+
+    # --- logging and checkpoints -------------------------------------------------------------
+    out_dir: str = "runs/amoebanet"  # checkpoints, resolved config, logs
+    log_every: int = 20  # steps between log lines / wandb points
+    eval_every_epochs: int = 1  # evaluate on eval_split every this many epochs
+    wandb_mode: str = "offline"  # "offline" | "online" (needs WANDB_API_KEY) | "disabled"
+    wandb_project: str = "gpipe-amoebanet"  # wandb project name
+
+
+GENOTYPE_CHOICES = ("D", "B")
+DATASET_CHOICES = ("fashion_mnist", "imagenet", "shards")
+SCHEDULE_CHOICES = ("gpipe", "1f1b")
+CHECKPOINT_CHOICES = ("always", "except_last", "never")
+
+
+def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
+    """Check values that the dataclass types cannot; raise ConfigError naming the fix."""
+    choices = {
+        "genotype": (config.genotype.upper(), GENOTYPE_CHOICES),
+        "dataset": (config.dataset, DATASET_CHOICES),
+        "schedule": (config.schedule, SCHEDULE_CHOICES),
+        "checkpoint": (config.checkpoint, CHECKPOINT_CHOICES),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    if len(config.mean) != config.in_chans or len(config.std) != config.in_chans:
+        raise ConfigError(
+            f"mean={config.mean} and std={config.std} need one value per channel "
+            f"(in_chans={config.in_chans})"
+        )
+    if (config.mixup > 0 or config.cutmix > 0) and config.batch_size % 2:
+        raise ConfigError(f"mixup/cutmix need an even batch_size, got {config.batch_size}")
+    if config.batch_size % config.chunks and config.num_stages > 1:
+        raise ConfigError(
+            f"batch_size={config.batch_size} is not divisible by chunks={config.chunks}; "
+            f"micro-batches would be uneven"
+        )
+    try:
+        check_image_size(config.image_size, config.image_size, config.stem_stride)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return config
+
+
+def load_amoebanet_config(argv: Sequence[str] = ()) -> AmoebaNetConfig:
+    """Resolve defaults < ``--config=file.yaml`` < ``--key=value``; validated."""
+    return validate(load_config(AmoebaNetConfig, argv))
+
+
+def optimizer_kwargs(config: AmoebaNetConfig) -> dict[str, Any]:
+    """Keyword arguments for ``timm.optim.create_optimizer_v2(model, **optimizer_kwargs(c))``."""
+    kwargs: dict[str, Any] = {
+        "opt": config.optimizer,
+        "lr": config.lr,
+        "weight_decay": config.weight_decay,
+        "eps": config.opt_eps,
+    }
+    name = config.optimizer.lower()
+    if "sgd" in name or "momentum" in name or "rmsprop" in name:
+        kwargs["momentum"] = config.momentum
+    if "rmsprop" in name:
+        kwargs["alpha"] = config.rmsprop_decay  # RMSProp's decay of the squared-gradient average
+    return kwargs
+
+
+def scheduler_kwargs(config: AmoebaNetConfig, updates_per_epoch: int) -> dict[str, Any]:
+    """Keyword arguments for ``timm.scheduler.create_scheduler_v2(optimizer, **...)``.
+
+    The schedule steps per update (``step_update(num_updates)``), so a short CPU run still
+    sees a smooth warmup and decay.
+    """
+    return {
+        "sched": config.scheduler,
+        "num_epochs": config.epochs,
+        "decay_epochs": config.decay_epochs,
+        "decay_rate": config.decay_rate,
+        "min_lr": config.min_lr,
+        "warmup_lr": config.warmup_lr,
+        "warmup_epochs": config.warmup_epochs,
+        "step_on_epochs": False,
+        "updates_per_epoch": updates_per_epoch,
+    }
+
+
+def build_model(config: AmoebaNetConfig, device: torch.device | str | None = None) -> nn.Sequential:
+    """The config's AmoebaNet as ``nn.Sequential`` of named cells, built on ``device``.
+
+    ``device="meta"`` allocates nothing (for counting parameters or building per-stage).
+    """
+    return build_amoebanet(
+        device,
+        genotype=config.genotype,
+        num_normal_cells=config.num_normal_cells,
+        filters=config.filters,
+        num_classes=config.num_classes,
+        in_chans=config.in_chans,
+        stem_stride=config.stem_stride,
+        drop_path=config.drop_path,
+        dropout=config.dropout,
+    )
