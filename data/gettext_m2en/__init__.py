@@ -1,0 +1,1 @@
+"""Many-to-English corpus from Debian's gettext catalogs; built by `prepare.py` (see README.md)."""
