@@ -1,0 +1,1 @@
+"""Many-to-English multilingual Transformer translation, trained with GPipe."""

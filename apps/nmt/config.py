@@ -1,0 +1,233 @@
+"""Configuration of the NMT app: one dataclass, YAML overrides, --key=value overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from apps.config import ConfigError, load_config, parse_overrides
+from apps.nmt.model import transformer
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+SCHEDULES = ("gpipe", "1f1b")
+CHECKPOINT_MODES = ("always", "except_last", "never")
+OPTIMIZERS = ("adam", "adafactor")
+LR_SCHEDULES = ("inverse_sqrt", "constant")
+WANDB_MODES = ("offline", "online", "disabled")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class NMTConfig:
+    """Everything a run of ``apps/nmt`` needs; the defaults are the CPU training default."""
+
+    # --- model: T(L, H, A) ---
+    num_layers: int = 6  # L: encoder layers, and as many decoder layers (128 layers = L=64)
+    ffn_dim: int = 512  # H: feed-forward width
+    num_heads: int = 2  # A: attention heads; attention width is num_heads * head_dim
+    head_dim: int = 64  # channels per head (64 in the paper, so more heads = wider attention)
+    d_model: int = 128  # D: model width (1024 in the paper)
+    vocab_size: int = 4000  # shared SentencePiece vocabulary size (64k in the paper)
+    dropout: float = 0.1  # residual and embedding dropout
+    attention_dropout: float = 0.0  # dropout on attention probabilities
+    label_smoothing: float = 0.1  # cross-entropy label smoothing
+    scaled_init: bool = True  # paper fix (i): feed-forward init std times (2L)^-1/2
+    clip_logits: bool = True  # paper fix (ii): clamp logits to [-logits_abs_max, logits_abs_max]
+    logits_abs_max: float = 20.0  # the clamp bound (the paper gives none; Lingvo notes use 20)
+    share_embeddings: bool = True  # one embedding table for source and target tokens
+    tie_output: bool = False  # output projection reuses the target table (needs num_stages=1)
+    max_positions: int = 256  # longest source or target sequence the model accepts
+
+    # --- tokenizer ids (must match the SentencePiece model the data step trains) ---
+    pad_id: int = 0  # padding (masked out of attention and loss)
+    unk_id: int = 1  # unknown piece
+    bos_id: int = 2  # begins every decoder input
+    eos_id: int = 3  # ends every target; decoding stops on it
+
+    # --- data ---
+    data_dir: str = ".cache/gettext_m2en"  # prepared corpus, tokenizer and shards (git-ignored)
+    packages: str = "quick"  # Debian l10n package list: "quick" (3 packages) or "full" (12)
+    languages: list[str] = field(default_factory=list)  # source languages to use; empty = all
+    sampling_temperature: float = 5.0  # draw language l with p ~ n_l^(1/T); 1 = proportional
+    max_tokens: int = 1024  # padded tokens (source + target) per mini-batch
+    max_len: int = 64  # drop training pairs with a side longer than this (tokens)
+
+    # --- pipeline ---
+    num_stages: int = 2  # K: pipeline stages (ranks under torchrun)
+    chunks: int = 4  # M: micro-batches per mini-batch
+    schedule: str = "gpipe"  # "gpipe" (fill-drain) or "1f1b"
+    checkpoint: str = "except_last"  # re-materialisation: "always", "except_last", "never"
+    balance: list[int] | None = None  # layers per stage; None = balance by parameters
+
+    # --- optimisation ---
+    optimizer: str = "adam"  # "adam" or "adafactor"
+    lr: float = 2e-3  # peak learning rate, reached at the end of warmup
+    warmup_steps: int = 200  # linear warmup steps
+    lr_schedule: str = "inverse_sqrt"  # after warmup: "inverse_sqrt" decay or "constant"
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.98  # Adam second-moment decay (0.98 as for Transformers)
+    clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
+    weight_decay: float = 0.0  # decoupled weight decay
+    max_steps: int = 100_000  # stop after this many optimizer steps
+    max_minutes: float = 30.0  # stop after this much wall-clock training time; 0 = no limit
+    seed: int = 0  # seeds data order, init and dropout
+
+    # --- runtime ---
+    device: str = "auto"  # "auto" (cuda if available), "cpu" or "cuda"
+    bf16: bool = True  # bf16 autocast on GPU (ignored on CPU)
+    num_threads: int = 1  # torch CPU threads per rank (2 stages x 1 thread = 2 cores)
+    resume: bool = False  # continue from the last checkpoint in out_dir
+
+    # --- logging and checkpoints ---
+    out_dir: str = "runs/nmt"  # checkpoints, resolved config, logs
+    log_every: int = 20  # steps between log lines / wandb points
+    eval_every: int = 500  # steps between dev evaluations; 0 = only at the end
+    ckpt_every: int = 500  # steps between checkpoints; 0 = only at the end
+    wandb_project: str = "gpipe-nmt"  # wandb project name
+    wandb_mode: str = "offline"  # "offline" unless you set a key and choose "online"
+
+    # --- evaluation ---
+    beam_size: int = 4  # beam width (1 = greedy)
+    length_penalty: float = 0.6  # GNMT alpha in ((5 + len) / 6)^alpha; 0 = none
+    max_decode_len: int = 64  # most tokens generated per sentence (excluding BOS)
+    eval_max_sentences: int = 200  # dev sentences per language in evaluations during training
+
+    @property
+    def num_model_layers(self) -> int:
+        """Length of the model's nn.Sequential: embed + L encoders + L decoders + project."""
+        return 2 * self.num_layers + 2
+
+    def validate(self) -> NMTConfig:
+        """Raise ConfigError naming the bad value and the fix; return self when all is well."""
+        positive = (
+            "num_layers ffn_dim num_heads head_dim d_model vocab_size max_positions max_tokens "
+            "max_len num_stages chunks max_steps log_every beam_size max_decode_len num_threads "
+            "eval_max_sentences"
+        ).split()
+        for name in positive:
+            value = getattr(self, name)
+            if value <= 0:
+                raise ConfigError(f"{name}={value} must be positive")
+        non_negative = "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every"
+        for name in non_negative.split():
+            value = getattr(self, name)
+            if value < 0:
+                raise ConfigError(f"{name}={value} must be >= 0")
+        for name in ("dropout", "attention_dropout", "label_smoothing"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name}={value} must be in [0, 1)")
+        if self.logits_abs_max <= 0:
+            raise ConfigError(
+                f"logits_abs_max={self.logits_abs_max} must be > 0; "
+                "to turn clipping off set clip_logits=false"
+            )
+        if self.lr <= 0:
+            raise ConfigError(f"lr={self.lr} must be positive")
+        if self.sampling_temperature <= 0:
+            raise ConfigError(
+                f"sampling_temperature={self.sampling_temperature} must be > 0 "
+                "(1 samples languages by size, larger flattens towards uniform)"
+            )
+        choices = {
+            "schedule": SCHEDULES,
+            "checkpoint": CHECKPOINT_MODES,
+            "optimizer": OPTIMIZERS,
+            "lr_schedule": LR_SCHEDULES,
+            "wandb_mode": WANDB_MODES,
+            "device": DEVICES,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
+        special = {"pad_id": self.pad_id, "unk_id": self.unk_id, "bos_id": self.bos_id,
+                   "eos_id": self.eos_id}
+        if len(set(special.values())) != len(special):
+            raise ConfigError(f"special token ids must differ, got {special}")
+        for name, value in special.items():
+            if not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name}={value} must be in [0, vocab_size={self.vocab_size})")
+        if self.max_len + 1 > self.max_positions:
+            raise ConfigError(
+                f"max_len={self.max_len} + 1 (BOS or EOS) exceeds max_positions="
+                f"{self.max_positions}; raise max_positions or lower max_len"
+            )
+        if self.max_decode_len + 1 > self.max_positions:
+            raise ConfigError(
+                f"max_decode_len={self.max_decode_len} + 1 (BOS) exceeds max_positions="
+                f"{self.max_positions}; raise max_positions or lower max_decode_len"
+            )
+        if self.num_stages > self.num_model_layers:
+            raise ConfigError(
+                f"num_stages={self.num_stages} exceeds the model's {self.num_model_layers} layers "
+                f"(2 * num_layers + 2); use fewer stages or more layers"
+            )
+        if self.balance is not None:
+            if len(self.balance) != self.num_stages or sum(self.balance) != self.num_model_layers:
+                raise ConfigError(
+                    f"balance={self.balance} must have num_stages={self.num_stages} entries "
+                    f"summing to the model's {self.num_model_layers} layers (2 * num_layers + 2)"
+                )
+            if min(self.balance) <= 0:
+                raise ConfigError(f"balance={self.balance} must give every stage a layer")
+        if self.tie_output and self.num_stages > 1:
+            raise ConfigError(
+                f"tie_output=true shares one table between the first and last layer, which "
+                f"num_stages={self.num_stages} would put on different stages; set tie_output=false "
+                f"(share_embeddings=true keeps the paper's parameter count) or num_stages=1"
+            )
+        return self
+
+
+def load_nmt_config(argv: Sequence[str] = ()) -> NMTConfig:
+    """Defaults < ``--config=path.yaml`` < ``--key=value``; a bare name like ``--config=tiny``
+    means ``apps/nmt/configs/tiny.yaml``. The result is validated."""
+    path, overrides = parse_overrides(argv)
+    if path is not None and not Path(path).exists() and (CONFIG_DIR / f"{path}.yaml").is_file():
+        path = str(CONFIG_DIR / f"{path}.yaml")
+    args = [f"--{key}={value}" for key, value in overrides.items()]
+    return load_config(NMTConfig, args, yaml_path=path).validate()
+
+
+def model_kwargs(config: NMTConfig) -> dict[str, object]:
+    """The config fields ``apps.nmt.model.transformer`` takes, by its keyword names."""
+    return dict(
+        num_layers=config.num_layers,
+        d_model=config.d_model,
+        ffn_dim=config.ffn_dim,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        share_embeddings=config.share_embeddings,
+        tie_output=config.tie_output,
+        scaled_init=config.scaled_init,
+        logits_abs_max=config.logits_abs_max if config.clip_logits else None,
+        max_positions=config.max_positions,
+        pad_id=config.pad_id,
+    )
+
+
+def build_model(config: NMTConfig, device: torch.device | str | None = None) -> nn.Sequential:
+    """The T(L, H, A) model of ``config`` as one ``nn.Sequential``, built directly on ``device``.
+
+    ``device="meta"`` allocates no parameter memory (for counting parameters, or for
+    ``DistributedGPipe``, which materialises one partition per rank and then calls each layer's
+    ``reset_parameters()``).
+    """
+    config.validate()
+    with torch.device(device if device is not None else "cpu"):
+        return transformer(**model_kwargs(config))  # type: ignore[arg-type]
+
+
+def replace(config: NMTConfig, **changes: object) -> NMTConfig:
+    """A validated copy of ``config`` with ``changes`` (for tests and scripts)."""
+    return dataclasses.replace(config, **changes).validate()  # type: ignore[arg-type]
