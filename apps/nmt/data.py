@@ -138,13 +138,12 @@ def language_counts(cache_dir: str | Path = DEFAULT_OUT, split: str = "train") -
 def resource_buckets(counts: Mapping[str, int]) -> dict[str, str]:
     """`high`, `medium` or `low` per language: terciles of training-set size.
 
-    Languages are sorted by count, largest first (ties by name); the first third (rounded up)
-    is `high`, the next third (rounded up) `medium`, the rest `low`. With 3 languages each gets
-    its own bucket; with 1, it is `high`.
+    Languages are sorted by count, largest first (ties by name), and the i-th of n goes to
+    bucket `i * 3 // n`: thirds as even as possible, the larger ones at the top
+    (4 languages: 2 high, 1 medium, 1 low; 1 language: high).
     """
     ordered = sorted(counts, key=lambda lang: (-counts[lang], lang))
-    size = -(-len(ordered) // 3)  # ceil
-    return {lang: RESOURCE_BUCKETS[min(i // size, 2)] for i, lang in enumerate(ordered)}
+    return {lang: RESOURCE_BUCKETS[i * 3 // len(ordered)] for i, lang in enumerate(ordered)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -252,8 +252,8 @@ _MARKER = {
     "_": re.compile(r"(?<!_)_(?=[^\W_])"),
     "&": re.compile(r"(?<!&)&(?=[^\W_])(?![A-Za-z]+;|#[0-9]+;|#x[0-9A-Fa-f]+;)"),
 }
-# English mnemonics are word-initial for `_` ("Save _As"), anywhere for `&` ("E&xit").
-_ENGLISH_MARKER = {"_": re.compile(r"(?<![\w])_(?=[^\W_])"), "&": _MARKER["&"]}
+# English mnemonics sit at the start of a word for `_` ("Save _As"), anywhere for `&` ("E&xit").
+_ENGLISH_MARKER = {"_": re.compile(r"(?:^|(?<=\s))_(?=[^\W_])"), "&": _MARKER["&"]}
 # CJK translations put the mnemonic in parentheses after the word: "ファイル(_F)".
 _PAREN_MARKER = {c: re.compile(rf"\s*[(（]{re.escape(c)}[^\W_][)）]") for c in "_&"}
 
@@ -262,24 +262,31 @@ def strip_accelerators(english: str, source: str) -> tuple[str, str]:
     """Remove keyboard mnemonics (`_File`, `&File`, `ファイル(_F)`) from both sides.
 
     Decided from the English side: when it carries exactly one marker of a kind, that kind is a
-    mnemonic and one marker of that kind is removed from each side. Identifiers such as
-    `file_name` (no word-initial underscore) are left alone.
+    mnemonic and is removed from the English; from the translation when it also carries exactly
+    one (translators place it anywhere: "Фа_йл", "С&оотношение"). Identifiers such as
+    `file_name` or `x/_y` (no underscore after a space) are left alone.
     """
     for mark in "_&":
         if len(_ENGLISH_MARKER[mark].findall(english)) != 1:
             continue
         english = _MARKER[mark].sub("", english, count=1)
-        without_paren = _PAREN_MARKER[mark].sub("", source, count=1)
-        if without_paren != source:
-            source = without_paren
-        else:
-            source = _MARKER[mark].sub("", source, count=1)
+        if len(_PAREN_MARKER[mark].findall(source)) == 1:
+            source = _PAREN_MARKER[mark].sub("", source)
+        elif len(_MARKER[mark].findall(source)) == 1:
+            source = _MARKER[mark].sub("", source)
         break
     return english, source
 
 
+# Placeholders and markup: printf (`%s`, `%1$d`, `%(name)s`), braces (`{0}`, `${name}`), tags.
+_PLACEHOLDER = re.compile(
+    r"%(?:\(\w+\)|\d+\$)?[-+ #0]*\d*(?:\.\d+)?[hlLqjzt]*[a-zA-Z%]|\$?\{[^}]*\}|<[^>]*>"
+)
+
+
 def _has_letter(text: str) -> bool:
-    return any(ch.isalpha() for ch in text)
+    """Whether `text` has a letter outside placeholders and markup (something to translate)."""
+    return any(ch.isalpha() for ch in _PLACEHOLDER.sub("", text))
 
 
 def clean_pair(english: str, source: str, *, max_chars: int) -> tuple[str, str] | str:
