@@ -67,7 +67,9 @@ from torch import Tensor, nn
 State = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
-def sinusoidal_positions(length: int, dim: int, *, device: torch.device, dtype: torch.dtype) -> Tensor:
+def sinusoidal_positions(
+    length: int, dim: int, *, device: torch.device, dtype: torch.dtype
+) -> Tensor:
     """Sinusoidal position encodings ``[length, dim]`` (Vaswani et al.): sin on even, cos on odd."""
     position = torch.arange(length, device=device, dtype=torch.float64)[:, None]
     inv_freq = torch.exp(
@@ -132,8 +134,10 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: Tensor, memory: Tensor, allowed: Tensor) -> Tensor:
         """``query`` [B,Lq,D] attends to ``memory`` [B,Lk,D]; ``allowed`` [B,1,Lq|1,Lk] is True
         where a query may see a key."""
-        q, k, v = self._heads(self.query(query)), self._heads(self.key(memory)), self._heads(
-            self.value(memory)
+        q, k, v = (
+            self._heads(self.query(query)),
+            self._heads(self.key(memory)),
+            self._heads(self.value(memory)),
         )
         dropout_p = self.attention_dropout if self.training else 0.0
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
