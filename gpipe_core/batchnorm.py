@@ -19,7 +19,6 @@ __all__ = ["DeferredBatchNorm"]
 class DeferredBatchNorm(_BatchNorm):
     """A BatchNorm (1d/2d/3d alike) that defers running-statistics updates to :meth:`commit`."""
 
-    count: Tensor
     mean_acc: Tensor
     m2_acc: Tensor
 
@@ -33,10 +32,9 @@ class DeferredBatchNorm(_BatchNorm):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device=device, dtype=dtype)
-        factory = {"device": device, "dtype": dtype}
-        self.register_buffer("count", torch.zeros((), device=device), persistent=False)
-        self.register_buffer("mean_acc", torch.zeros(num_features, **factory), persistent=False)
-        self.register_buffer("m2_acc", torch.zeros(num_features, **factory), persistent=False)
+        self.count = 0  # samples (times spatial positions) accumulated in this mini-batch
+        self.register_buffer("mean_acc", torch.zeros(num_features, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("m2_acc", torch.zeros(num_features, device=device, dtype=dtype), persistent=False)
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -63,12 +61,12 @@ class DeferredBatchNorm(_BatchNorm):
         delta = mean - self.mean_acc
         self.mean_acc += delta * (n / total)
         self.m2_acc += m2 + delta**2 * (self.count * n / total)
-        self.count.fill_(total)
+        self.count = total
 
     @torch.no_grad()
     def commit(self) -> None:
         """Fold the accumulated mini-batch statistics into the running ones, then reset."""
-        n = int(self.count.item())
+        n = self.count
         if n == 0:
             return
         assert self.running_mean is not None and self.running_var is not None
@@ -81,7 +79,7 @@ class DeferredBatchNorm(_BatchNorm):
         unbiased_var = self.m2_acc / max(n - 1, 1)
         self.running_mean.mul_(1 - factor).add_(self.mean_acc, alpha=factor)
         self.running_var.mul_(1 - factor).add_(unbiased_var, alpha=factor)
-        self.count.zero_()
+        self.count = 0
         self.mean_acc.zero_()
         self.m2_acc.zero_()
 

@@ -72,7 +72,6 @@ class GPipe(nn.Module):
         partitions = split_module(module, balance)
         if devices is None:
             devices = ["cpu"] * len(partitions)
-        devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
         if len(devices) != len(partitions):
             raise ValueError(
                 f"len(devices)={len(devices)} does not match len(balance)={len(partitions)}; "
@@ -83,17 +82,19 @@ class GPipe(nn.Module):
             partitions = split_module(module, balance)
         # Register the layers under their original names so parameters and state_dict keys are
         # exactly the plain module's.
-        for name, layer in module.named_children():
+        for name, layer in module._modules.items():
             self.add_module(name, layer)
         self.balance = list(balance)
-        self.devices = devices
+        self.devices = [
+            torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices
+        ]
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self._step = 0
         self.stages: list[Stage] = []
         first = 0
-        for index, (partition, device) in enumerate(zip(partitions, devices, strict=True)):
+        for index, (partition, device) in enumerate(zip(partitions, self.devices, strict=True)):
             for _, layer in partition:
                 layer.to(device)
             self.stages.append(
@@ -111,6 +112,9 @@ class GPipe(nn.Module):
 
     def __len__(self) -> int:
         return sum(self.balance)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return list(self._modules.values())[index]  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())  # type: ignore[arg-type]

@@ -32,12 +32,12 @@ def flatten(batch: Batch) -> tuple[list[Any], Any]:
         return leaves, (type(batch), specs)
     if isinstance(batch, dict):
         leaves = []
-        specs = []
+        dict_specs: list[tuple[Any, int, Any]] = []
         for key, item in batch.items():
             item_leaves, item_spec = flatten(item)
             leaves.extend(item_leaves)
-            specs.append((key, len(item_leaves), item_spec))
-        return leaves, (dict, specs)
+            dict_specs.append((key, len(item_leaves), item_spec))
+        return leaves, (dict, dict_specs)
     return [batch], None
 
 

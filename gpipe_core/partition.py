@@ -85,7 +85,8 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[list[tup
     """
     verify_module(module)
     balance = verify_balance(module, balance)
-    named = list(module.named_children())
+    # Not named_children(): it skips a layer that appears twice, which would shift the cut.
+    named = list(module._modules.items())
     partitions = []
     start = 0
     for size in balance:

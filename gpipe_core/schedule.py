@@ -4,12 +4,13 @@ An action prints as ``"1F3"`` (stage 1, forward, micro-batch 3) and parses back,
 diffs as text and can be drawn. The same :class:`Schedule` drives the runtime, the simulator and
 the timeline.
 
-Fill-drain (GPipe) for K=3 stages and M=4 micro-batches, one column per clock step::
+Fill-drain (GPipe) for K=3 stages and M=4 micro-batches, one column per clock step
+(``draw(gpipe(3, 4))``)::
 
-    step     0    1    2    3    4    5    6    7    8    9   10   11
-    stage 0  0F0  0F1  0F2  0F3  .    .    .    .    .    0B3  0B2  0B1  0B0   (continues)
-    stage 1  .    1F0  1F1  1F2  1F3  .    .    .    1B3  1B2  1B1  1B0
-    stage 2  .    .    2F0  2F1  2F2  2F3  2B3  2B2  2B1  2B0
+    step     0    1    2    3    4    5    6    7    8    9    10   11
+    stage 0  0F0  0F1  0F2  0F3  .    .    .    .    0B3  0B2  0B1  0B0
+    stage 1  .    1F0  1F1  1F2  1F3  .    .    1B3  1B2  1B1  1B0  .
+    stage 2  .    .    2F0  2F1  2F2  2F3  2B3  2B2  2B1  2B0  .    .
 
 Legend: K = num_stages, M = num_microbatches, s = stage index, m = micro-batch index.
 """

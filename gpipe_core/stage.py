@@ -14,7 +14,7 @@ gradient to send back. Every layer's forward draws its randomness from a generat
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,16 +185,19 @@ class Stage:
                 f"{step}: backward without forward, or backward twice (retain_graph is not "
                 "supported by the pipeline)"
             ) from None
-        with torch.enable_grad():
+        # Recomputation must leave BatchNorm's running statistics as the first forward left
+        # them; they are restored only after backward, which may still read the saved buffers.
+        frozen = self._frozen_batchnorm_stats() if saved.outputs is None else nullcontext()
+        with torch.enable_grad(), frozen:
             outputs = saved.outputs
             if outputs is None:
-                with self._frozen_batchnorm_stats():
-                    outputs = self._run_layers(step, mb, unflatten(saved.inputs, saved.spec))
-                    if self.loss_fn is not None:
-                        outputs = self._loss(step, mb, outputs, saved.targets)
+                outputs = self._run_layers(step, mb, unflatten(saved.inputs, saved.spec))
+                if self.loss_fn is not None:
+                    outputs = self._loss(step, mb, outputs, saved.targets)
             if self.loss_fn is not None:
                 assert isinstance(outputs, Tensor)
-                tensors, grads = [outputs], [None]
+                tensors: list[Tensor] = [outputs]
+                grads: list[Tensor | None] = [None]
             else:
                 if grad_outputs is None:
                     raise RuntimeError(f"stage {self.stage_index} needs gradients of its outputs")
@@ -224,16 +227,19 @@ class Stage:
             yield
             return
         snapshot = [
-            {name: buf.clone() for name, buf in bn.named_buffers(recurse=False)}
+            ({name: buf.clone() for name, buf in bn.named_buffers(recurse=False)},
+             getattr(bn, "count", None))
             for bn in self._batchnorms
         ]
         try:
             yield
         finally:
             with torch.no_grad():
-                for bn, buffers in zip(self._batchnorms, snapshot, strict=True):
+                for bn, (buffers, count) in zip(self._batchnorms, snapshot, strict=True):
                     for name, value in buffers.items():
                         getattr(bn, name).copy_(value)
+                    if count is not None:  # DeferredBatchNorm's sample count
+                        bn.count = count
 
 
 def _as_input_leaf(value: Any, grad_enabled: bool) -> Any:
