@@ -1,0 +1,435 @@
+"""Image data as webdataset shards: the shard format, its writer, and seeded train/eval loaders.
+
+On disk a dataset is one folder::
+
+    dataset.json            {"name", "classes", "image_mode", "splits": {split: {"images",
+                             "shards", "class_counts"}}}; written last, so its presence means done
+    train-000000.tar ...    samples "<key>.png" (or .jpg) + "<key>.cls" (class index as text)
+    test-000000.tar ...
+
+``data/fashion_mnist/prepare.py`` and ``data/imagenet/prepare.py`` write it with
+``write_split`` / ``write_dataset_json``; the loaders below stream it with webdataset, decode
+with PIL, transform with timm's ``create_transform`` and batch inside the workers.
+
+Determinism: the shard order, the shuffle buffer and mixup draw from RNGs seeded by
+``(config.seed, epoch, worker)``, and worker seeds (timm's random crops and flips) come from a
+DataLoader generator seeded the same way. Two processes that build the same loader see the same
+batches in the same order, which a pipeline needs (inputs are read on the first stage, targets on
+the last).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+import tarfile
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import webdataset as wds
+from PIL import Image
+from timm.data import Mixup, create_transform
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, get_worker_info
+
+from apps.amoebanet.config import AmoebaNetConfig
+
+DATASET_JSON = "dataset.json"
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+Batch = tuple[Tensor, Tensor]  # images [B, C, H, W] float32; targets [B] int64 or [B, classes]
+
+# The command that builds each dataset, quoted in "dataset not found" errors.
+PREPARE_COMMANDS = {
+    "fashion_mnist": "python -m data.fashion_mnist.prepare --out {data_dir}",
+    "imagenet": "python -m data.imagenet.prepare --src <folder with train/ and val/> "
+    "--out {data_dir}",
+    "shards": "python -m data.imagenet.prepare --src <image folder> --out {data_dir} "
+    "(or write <split>-NNNNNN.tar shards with .png/.jpg + .cls members yourself)",
+}
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The prepared shards are missing; the message says which command builds them."""
+
+
+class CorruptShardError(RuntimeError):
+    """A shard (or an image inside it) cannot be read; the message names the shard."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One encoded image and its class index, as stored in a shard."""
+
+    key: str  # unique within the split; no dots (webdataset splits keys at the first dot)
+    image: bytes  # encoded image file (PNG, JPEG, ...)
+    ext: str  # "png", "jpg", ...
+    label: int
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    """PNG bytes of an HxW (grayscale) or HxWx3 (RGB) uint8 array."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_split(
+    samples: Iterable[Sample],
+    out_dir: str | Path,
+    split: str,
+    *,
+    num_classes: int,
+    max_per_shard: int = 5000,
+) -> dict[str, Any]:
+    """Write ``samples`` as ``<split>-NNNNNN.tar`` shards; return the split's dataset.json entry.
+
+    Shards are written under a temporary name and renamed once complete, so an interrupted run
+    never leaves a truncated ``.tar`` that looks finished.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*out_dir.glob(f"{split}-*.tar"), *out_dir.glob(f"{split}-*.tar.partial")]:
+        stale.unlink()
+    counts = [0] * num_classes
+    pattern = str(out_dir / f"{split}-%06d.tar.partial")
+    # USTAR with a fixed integer mtime: no PAX header per member (halves the size of small-image
+    # shards) and byte-identical shards when rebuilt
+    with wds.ShardWriter(pattern, maxcount=max_per_shard, verbose=0, mtime=0,
+                         format=tarfile.USTAR_FORMAT) as writer:
+        for sample in samples:
+            if not 0 <= sample.label < num_classes:
+                raise ValueError(
+                    f"sample {sample.key!r} has label {sample.label}, outside [0, {num_classes})"
+                )
+            if "." in sample.key:
+                raise ValueError(f"sample key {sample.key!r} must not contain '.'")
+            writer.write({"__key__": sample.key, sample.ext: sample.image, "cls": sample.label})
+            counts[sample.label] += 1
+    shards = []
+    for partial_path in sorted(out_dir.glob(f"{split}-*.tar.partial")):
+        final = partial_path.with_suffix("")  # drop ".partial"
+        partial_path.rename(final)
+        shards.append(final.name)
+    return {"images": sum(counts), "shards": shards, "class_counts": counts}
+
+
+def write_dataset_json(
+    out_dir: str | Path,
+    *,
+    name: str,
+    classes: Sequence[str],
+    image_mode: str,
+    splits: dict[str, dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:
+    """Write dataset.json (class names in index order, per-split counts); return its content."""
+    info = {"name": name, "classes": list(classes), "image_mode": image_mode, "splits": splits,
+            **extra}
+    path = Path(out_dir) / DATASET_JSON
+    tmp = path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(info, indent=1) + "\n")
+    tmp.rename(path)  # written last and atomically: its presence means the dataset is complete
+    return info
+
+
+def dataset_is_complete(out_dir: str | Path) -> bool:
+    """True when dataset.json exists and every shard it lists is on disk."""
+    out_dir = Path(out_dir)
+    try:
+        info = json.loads((out_dir / DATASET_JSON).read_text())
+        return all(
+            (out_dir / shard).is_file()
+            for split in info["splits"].values()
+            for shard in split["shards"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def remove_partial_files(out_dir: str | Path) -> None:
+    """Delete leftovers of an interrupted write (``*.partial``)."""
+    for path in Path(out_dir).glob("*.partial"):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _missing(config: AmoebaNetConfig, what: str) -> DatasetNotFoundError:
+    command = PREPARE_COMMANDS[config.dataset].format(data_dir=config.data_dir)
+    return DatasetNotFoundError(f"{what}; build the {config.dataset} dataset with: {command}")
+
+
+def read_dataset_info(config: AmoebaNetConfig) -> dict[str, Any] | None:
+    """dataset.json of ``config.data_dir``; None only for ``dataset="shards"`` without one."""
+    path = Path(config.data_dir) / DATASET_JSON
+    if not path.is_file():
+        if config.dataset == "shards":
+            return None
+        raise _missing(config, f"{path} not found (no prepared {config.dataset} shards)")
+    try:
+        info: dict[str, Any] = json.loads(path.read_text())
+    except ValueError as exc:
+        raise _missing(config, f"{path} is not valid JSON ({exc})") from None
+    return info
+
+
+def shard_urls(config: AmoebaNetConfig, split: str) -> list[str]:
+    """Paths of the split's shards (sorted); a clear error when the split is missing."""
+    data_dir = Path(config.data_dir)
+    info = read_dataset_info(config)
+    if info is None:
+        paths = sorted(data_dir.glob(f"{split}-*.tar"))
+        if not paths:
+            raise _missing(config, f"no {split}-*.tar shards and no {DATASET_JSON} in {data_dir}")
+        return [str(p) for p in paths]
+    splits = info.get("splits", {})
+    if split not in splits:
+        raise _missing(config, f"split {split!r} not in {data_dir / DATASET_JSON} "
+                               f"(it has {sorted(splits)})")
+    classes = info.get("classes")
+    if classes is not None and len(classes) != config.num_classes:
+        raise ValueError(
+            f"{data_dir / DATASET_JSON} has {len(classes)} classes but num_classes="
+            f"{config.num_classes}; set --num_classes={len(classes)}"
+        )
+    paths = [data_dir / shard for shard in splits[split]["shards"]]
+    absent = [str(p) for p in paths if not p.is_file()]
+    if absent:
+        raise _missing(config, f"shard(s) {absent} listed in {DATASET_JSON} are missing")
+    return [str(p) for p in paths]
+
+
+def num_images(config: AmoebaNetConfig, split: str) -> int | None:
+    """Images in a split according to dataset.json (None when there is none)."""
+    info = read_dataset_info(config)
+    if info is None:
+        return None
+    return int(info["splits"][split]["images"])
+
+
+def _shard_of(exn: BaseException) -> str:
+    """The shard path webdataset attached to an exception's args (it appends the url)."""
+    for arg in reversed(exn.args):
+        if isinstance(arg, str) and ".tar" in arg:
+            return arg.split(" @ ")[-1]
+    return "<unknown shard>"
+
+
+class ShardErrorHandler:
+    """webdataset handler: stop with an error naming the shard, or warn and skip it."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip = skip
+
+    def __call__(self, exn: BaseException) -> bool:
+        if isinstance(exn, CorruptShardError):
+            raise exn
+        shard = _shard_of(exn)
+        message = f"corrupt shard {shard}: {type(exn).__name__}: {exn.args[0] if exn.args else exn}"
+        if self.skip:
+            warnings.warn(f"{message}; skipping the rest of it (skip_corrupt_shards=true)",
+                          stacklevel=2)
+            return True
+        raise CorruptShardError(
+            f"{message}; rebuild the dataset (rerun its prepare command with --force) or set "
+            f"--skip_corrupt_shards=true to skip unreadable shards"
+        ) from exn
+
+
+class DecodeSample:
+    """Shard sample dict -> (transformed image tensor, label); picklable for DataLoader workers."""
+
+    def __init__(self, transform: Callable[[Image.Image], Tensor], mode: str, skip: bool) -> None:
+        self.transform = transform
+        self.mode = mode  # "L" for 1 channel, "RGB" for 3: grayscale and colour both convert
+        self.skip = skip
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[Tensor, int] | None:
+        shard = sample.get("__url__", "<unknown shard>")
+        key = sample.get("__key__")
+        try:
+            ext = next(e for e in IMAGE_EXTENSIONS if e in sample)
+            with Image.open(io.BytesIO(sample[ext])) as image:
+                pixels = image.convert(self.mode)
+            label = int(sample["cls"])
+        except Exception as exn:  # noqa: BLE001 - any decode failure is reported the same way
+            message = (f"corrupt sample {key!r} in shard {shard}: {type(exn).__name__}: {exn} "
+                       f"(members: {sorted(k for k in sample if not k.startswith('__'))})")
+            if self.skip:
+                warnings.warn(f"{message}; skipping it (skip_corrupt_shards=true)", stacklevel=2)
+                return None
+            raise CorruptShardError(
+                f"{message}; rebuild the dataset or set --skip_corrupt_shards=true"
+            ) from exn
+        return self.transform(pixels), label
+
+
+def _drop_none(samples: Iterable[Any]) -> Iterator[Any]:
+    return (s for s in samples if s is not None)
+
+
+def _collate(samples: Sequence[tuple[Tensor, int]]) -> Batch:
+    images, labels = zip(*samples, strict=True)
+    return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+
+
+def _worker_index() -> int:
+    info = get_worker_info()
+    return 0 if info is None else info.id
+
+
+def _mix_batches(
+    batches: Iterable[Batch], *, mixup: Mixup, seed: int, epoch: int
+) -> Iterator[Batch]:
+    """Apply timm's Mixup with its numpy draws seeded per (seed, epoch, worker, batch).
+
+    Mixup draws from the global numpy RNG; seeding it around each call (and restoring it)
+    makes the mixed targets the same in every process that builds this loader.
+    """
+    rng = random.Random(f"mixup-{seed}-{epoch}-{_worker_index()}")
+    for images, labels in batches:
+        saved = np.random.get_state()
+        np.random.seed(rng.randrange(2**32))
+        try:
+            images, targets = mixup(images, labels)
+        finally:
+            np.random.set_state(saved)
+        yield images, targets
+
+
+def build_transform(config: AmoebaNetConfig, *, training: bool) -> Callable[[Image.Image], Tensor]:
+    """timm's train or eval transform for the config's size, channels and augmentation."""
+    return create_transform(
+        input_size=(config.in_chans, config.image_size, config.image_size),
+        is_training=training,
+        scale=(config.crop_scale_min, 1.0),
+        hflip=config.hflip,
+        color_jitter=config.color_jitter,
+        auto_augment=config.auto_augment,
+        interpolation="bilinear",
+        mean=tuple(config.mean),
+        std=tuple(config.std),
+        crop_pct=config.crop_pct,
+    )
+
+
+def build_mixup(config: AmoebaNetConfig) -> Mixup | None:
+    """timm Mixup/CutMix (with label smoothing folded in), or None when both alphas are 0."""
+    if config.mixup <= 0 and config.cutmix <= 0:
+        return None
+    return Mixup(
+        mixup_alpha=config.mixup,
+        cutmix_alpha=config.cutmix,
+        label_smoothing=config.label_smoothing,
+        num_classes=config.num_classes,
+    )
+
+
+def build_train_loss(config: AmoebaNetConfig) -> nn.Module:
+    """Training loss matching the loader's targets.
+
+    Soft targets (mixup/cutmix) -> ``SoftTargetCrossEntropy``; else label smoothing ->
+    ``LabelSmoothingCrossEntropy``; else plain cross-entropy. Evaluation uses plain
+    ``nn.CrossEntropyLoss`` on the eval loader's integer labels.
+    """
+    if build_mixup(config) is not None:
+        return SoftTargetCrossEntropy()
+    if config.label_smoothing > 0:
+        return LabelSmoothingCrossEntropy(smoothing=config.label_smoothing)
+    return nn.CrossEntropyLoss()
+
+
+def image_pipeline(
+    config: AmoebaNetConfig,
+    split: str,
+    *,
+    training: bool,
+    epoch: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> wds.DataPipeline:
+    """The webdataset pipeline yielding batches; see ``build_train_loader``."""
+    urls = shard_urls(config, split)
+    if training:
+        random.Random(f"shards-{config.seed}-{epoch}").shuffle(urls)
+    if dp_size > 1:
+        # data-parallel replicas read disjoint shards (the same shuffled list on every rank)
+        if len(urls) < dp_size:
+            raise ValueError(f"{len(urls)} shard(s) of split {split!r} cannot feed "
+                             f"{dp_size} data-parallel replicas; write more, smaller shards")
+        urls = urls[dp_rank::dp_size]
+    handler = ShardErrorHandler(skip=config.skip_corrupt_shards)
+    mode = "L" if config.in_chans == 1 else "RGB"
+    decode = DecodeSample(build_transform(config, training=training), mode,
+                          skip=config.skip_corrupt_shards)
+    stages: list[Any] = [
+        wds.SimpleShardList(urls),
+        wds.split_by_worker,  # each worker reads whole, distinct shards
+        wds.tarfile_to_samples(handler=handler),
+    ]
+    if training and config.shuffle_buffer > 1:
+        stages.append(wds.shuffle(config.shuffle_buffer, initial=config.shuffle_buffer,
+                                  rng=random.Random(f"samples-{config.seed}-{epoch}-{dp_rank}")))
+    stages += [wds.map(decode), _drop_none]
+    batch_size = config.batch_size if training else config.eval_batch_size
+    # training drops the last partial batch so every step splits into equal micro-batches
+    stages.append(wds.batched(batch_size, partial=not training, collation_fn=_collate))
+    mixup = build_mixup(config) if training else None
+    if mixup is not None:
+        stages.append(partial(_mix_batches, mixup=mixup, seed=config.seed, epoch=epoch))
+    return wds.DataPipeline(*stages)
+
+
+def _loader(pipeline: wds.DataPipeline, config: AmoebaNetConfig, seed: int) -> DataLoader:
+    return DataLoader(
+        pipeline,
+        batch_size=None,  # batched inside the pipeline, in the workers
+        num_workers=config.num_workers,
+        generator=torch.Generator().manual_seed(seed),  # fixes the workers' augmentation seeds
+        persistent_workers=False,
+    )
+
+
+def build_train_loader(
+    config: AmoebaNetConfig, *, epoch: int = 0, dp_rank: int = 0, dp_size: int = 1
+) -> DataLoader:
+    """One epoch of shuffled, augmented training batches ``(images, targets)``.
+
+    Targets are int64 class indices, or soft targets ``[B, num_classes]`` when mixup/cutmix is
+    on (use ``build_train_loss``). The last partial batch is dropped. Build a new loader per
+    epoch: ``epoch`` reseeds the shard order, shuffle buffer, augmentation and mixup. With
+    ``dp_size > 1`` each data-parallel replica reads every ``dp_size``-th shard.
+    """
+    pipeline = image_pipeline(config, config.train_split, training=True, epoch=epoch,
+                              dp_rank=dp_rank, dp_size=dp_size)
+    return _loader(pipeline, config, seed=config.seed * 100_003 + epoch)
+
+
+def build_eval_loader(
+    config: AmoebaNetConfig, split: str | None = None, *, dp_rank: int = 0, dp_size: int = 1
+) -> DataLoader:
+    """Every image of ``split`` (default ``config.eval_split``) exactly once, in shard order.
+
+    Batches are ``(images, int64 labels)`` with eval transforms; the last batch may be smaller.
+    """
+    pipeline = image_pipeline(config, split or config.eval_split, training=False,
+                              dp_rank=dp_rank, dp_size=dp_size)
+    return _loader(pipeline, config, seed=config.seed)
