@@ -91,8 +91,8 @@ class NMTConfig:
     # --- logging and checkpoints ---
     out_dir: str = "runs/nmt"  # checkpoints, resolved config, logs
     log_every: int = 20  # steps between log lines / wandb points
-    eval_every: int = 500  # steps between dev evaluations; 0 = only at the end
-    ckpt_every: int = 500  # steps between checkpoints; 0 = only at the end
+    eval_every: int = 1000  # steps between dev evaluations; 0 = only at the end
+    ckpt_every: int = 1000  # steps between checkpoints; 0 = only at the end
     wandb_project: str = "gpipe-nmt"  # wandb project name
     wandb_mode: str = "offline"  # "offline" unless you set a key and choose "online"
 
@@ -100,7 +100,7 @@ class NMTConfig:
     beam_size: int = 4  # beam width (1 = greedy)
     length_penalty: float = 0.6  # GNMT alpha in ((5 + len) / 6)^alpha; 0 = none
     max_decode_len: int = 64  # most tokens generated per sentence (excluding BOS)
-    eval_max_sentences: int = 200  # dev sentences per language in evaluations during training
+    eval_max_sentences: int = 100  # dev sentences per language in evaluations during training
 
     @property
     def num_model_layers(self) -> int:
