@@ -131,18 +131,22 @@ class MultiHeadAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, query: Tensor, memory: Tensor, allowed: Tensor) -> Tensor:
-        """``query`` [B,Lq,D] attends to ``memory`` [B,Lk,D]; ``allowed`` [B,1,Lq|1,Lk] is True
-        where a query may see a key."""
-        q, k, v = (
-            self._heads(self.query(query)),
-            self._heads(self.key(memory)),
-            self._heads(self.value(memory)),
-        )
+    def keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values [B,A,Lk,head_dim] of ``memory`` [B,Lk,D] (cacheable when decoding)."""
+        return self._heads(self.key(memory)), self._heads(self.value(memory))
+
+    def attend(self, query: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
+        """``query`` [B,Lq,D] attends to ``keys``/``values`` [B,A,Lk,head_dim]; ``allowed``
+        [B,1,Lq|1,Lk] is True where a query may see a key."""
         dropout_p = self.attention_dropout if self.training else 0.0
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+        context = F.scaled_dot_product_attention(
+            self._heads(self.query(query)), keys, values, attn_mask=allowed, dropout_p=dropout_p
+        )
         batch, _, length, _ = context.shape
         return self.out(context.transpose(1, 2).reshape(batch, length, -1))
+
+    def forward(self, query: Tensor, memory: Tensor, allowed: Tensor) -> Tensor:
+        return self.attend(query, *self.keys_values(memory), allowed)
 
 
 class FeedForward(nn.Module):
@@ -207,10 +211,12 @@ class Embed(_RecordsActivation):
             with torch.no_grad():
                 table.weight[self.pad_id].zero_()
 
-    def _embed(self, table: nn.Embedding, ids: Tensor, side: str) -> tuple[Tensor, Tensor]:
+    def _embed(
+        self, table: nn.Embedding, ids: Tensor, side: str, offset: int = 0
+    ) -> tuple[Tensor, Tensor]:
         if ids.dim() != 2:
             raise ValueError(f"{side}_ids must be [batch, length], got shape {tuple(ids.shape)}")
-        length = ids.shape[1]
+        length = offset + ids.shape[1]
         if length > self.max_positions:
             raise ValueError(
                 f"{side} length {length} exceeds max_positions={self.max_positions}; "
@@ -219,7 +225,7 @@ class Embed(_RecordsActivation):
         weight = table.weight
         positions = sinusoidal_positions(
             length, self.d_model, device=weight.device, dtype=weight.dtype
-        )
+        )[offset:]
         state = self.dropout(table(ids) * math.sqrt(self.d_model) + positions)
         return state, ids.eq(self.pad_id)
 
@@ -227,9 +233,9 @@ class Embed(_RecordsActivation):
         """``src_ids`` [B,S] -> (enc_state [B,S,D], src_pad [B,S])."""
         return self._embed(self.source_table, src_ids, "src")
 
-    def embed_target(self, tgt_in_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """``tgt_in_ids`` [B,T] -> (dec_state [B,T,D], tgt_pad [B,T])."""
-        return self._embed(self.target_table, tgt_in_ids, "tgt_in")
+    def embed_target(self, tgt_in_ids: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """``tgt_in_ids`` [B,T] at positions ``offset...`` -> (dec_state [B,T,D], tgt_pad [B,T])."""
+        return self._embed(self.target_table, tgt_in_ids, "tgt_in", offset)
 
     def forward(self, ids: tuple[Tensor, Tensor]) -> State:
         if not isinstance(ids, tuple | list) or len(ids) != 2:
@@ -292,6 +298,53 @@ class EncoderLayer(_RecordsActivation):
         return enc_state, dec_state, src_pad, tgt_pad
 
 
+class LayerCache:
+    """One decoder layer's state for incremental decoding: self-attention keys, values and key
+    padding of the prefix so far, and the cross-attention keys and values of the memory."""
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.key_pad: Tensor | None = None
+        self.memory_keys: Tensor | None = None
+        self.memory_values: Tensor | None = None
+
+    def extend(self, keys: Tensor, values: Tensor, key_pad: Tensor) -> tuple[Tensor, ...]:
+        if self.keys is not None and self.values is not None and self.key_pad is not None:
+            keys = torch.cat([self.keys, keys], dim=2)
+            values = torch.cat([self.values, values], dim=2)
+            key_pad = torch.cat([self.key_pad, key_pad], dim=1)
+        self.keys, self.values, self.key_pad = keys, values, key_pad
+        return keys, values, key_pad
+
+    def memory_keys_values(
+        self, attention: MultiHeadAttention, memory: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        if self.memory_keys is None or self.memory_values is None:
+            self.memory_keys, self.memory_values = attention.keys_values(memory)
+        return self.memory_keys, self.memory_values
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only ``rows`` (dim 0), in that order: beams that survived, sources still open."""
+        for name in ("keys", "values", "key_pad", "memory_keys", "memory_values"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, rows))
+
+
+@dataclass
+class DecoderCache:
+    """Incremental-decoding state of all decoder layers (``decode(..., cache=...)``)."""
+
+    layers: list[LayerCache]
+    length: int = 0  # target positions decoded so far
+
+    def select(self, rows: Tensor) -> None:
+        """Reorder / drop rows of every layer's cache (see ``LayerCache.select``)."""
+        for layer in self.layers:
+            layer.select(rows)
+
+
 class DecoderLayer(_RecordsActivation):
     """Pre-norm decoder layer: causal self-attention, cross-attention, feed-forward.
 
@@ -343,16 +396,44 @@ class DecoderLayer(_RecordsActivation):
         """The encoder's final LayerNorm if this is the first decoder layer, else identity."""
         return enc_state if self.memory_norm is None else self.memory_norm(enc_state)
 
-    def decode(self, dec_state: Tensor, memory: Tensor, src_pad: Tensor, tgt_pad: Tensor) -> Tensor:
-        """One decoder layer on ``dec_state`` [B,T,D] attending to normalised ``memory`` [B,S,D]."""
-        length = dec_state.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=dec_state.device).tril()
-        self_allowed = _allow_some_key(causal[None, None] & ~tgt_pad[:, None, None, :])
-        cross_allowed = _allow_some_key(~src_pad[:, None, None, :])
+    def decode(
+        self,
+        dec_state: Tensor,
+        memory: Tensor,
+        src_pad: Tensor,
+        tgt_pad: Tensor,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
+        """One decoder layer on ``dec_state`` [B,T,D] attending to normalised ``memory`` [B,S,D].
+
+        With ``cache`` (incremental decoding), ``dec_state``/``tgt_pad`` hold only the new
+        positions; the cache supplies the earlier positions' self-attention keys and values and
+        the memory's keys and values, and is extended in place.
+        """
+        new_length = dec_state.shape[1]
         normed = self.self_attn_norm(dec_state)
-        dec_state = dec_state + self.dropout(self.self_attn(normed, normed, self_allowed))
+        keys, values = self.self_attn.keys_values(normed)
+        key_pad = tgt_pad
+        if cache is not None:
+            keys, values, key_pad = cache.extend(keys, values, tgt_pad)
+        # query i (absolute position offset + i) sees keys 0 .. offset + i
+        offset = keys.shape[2] - new_length
+        causal = torch.ones(
+            new_length, keys.shape[2], dtype=torch.bool, device=dec_state.device
+        ).tril(diagonal=offset)
+        self_allowed = _allow_some_key(causal[None, None] & ~key_pad[:, None, None, :])
+        dec_state = dec_state + self.dropout(
+            self.self_attn.attend(normed, keys, values, self_allowed)
+        )
+        if cache is None:
+            memory_keys, memory_values = self.cross_attn.keys_values(memory)
+        else:
+            memory_keys, memory_values = cache.memory_keys_values(self.cross_attn, memory)
+        cross_allowed = _allow_some_key(~src_pad[:, None, None, :])
         normed = self.cross_attn_norm(dec_state)
-        dec_state = dec_state + self.dropout(self.cross_attn(normed, memory, cross_allowed))
+        dec_state = dec_state + self.dropout(
+            self.cross_attn.attend(normed, memory_keys, memory_values, cross_allowed)
+        )
         return dec_state + self.dropout(self.ffn(self.ffn_norm(dec_state)))
 
     def forward(self, state: State) -> State:
@@ -512,6 +593,11 @@ def encode(model: nn.Sequential, src_ids: Tensor) -> tuple[Tensor, Tensor]:
     return roles.decoders[0].prepare_memory(enc_state), src_pad
 
 
+def new_decoder_cache(model: nn.Sequential) -> DecoderCache:
+    """An empty key/value cache for incremental ``decode`` with ``model``."""
+    return DecoderCache([LayerCache() for _ in parts(model).decoders])
+
+
 def decode(
     model: nn.Sequential,
     memory: Tensor,
@@ -519,16 +605,23 @@ def decode(
     tgt_in_ids: Tensor,
     *,
     last_only: bool = False,
+    cache: DecoderCache | None = None,
 ) -> Tensor:
     """Run decoder layers + project on a target prefix: -> logits [B,T,V] (or [B,V] if last_only).
 
-    Recomputes the decoder over the whole prefix (no key/value cache): simple and exact, and
-    cheap enough at CPU scale.
+    Without ``cache`` the decoder runs over the whole prefix ``tgt_in_ids``. With a cache from
+    ``new_decoder_cache`` (inference), pass only the tokens not decoded yet; their positions
+    continue after ``cache.length`` and the cache grows by them. Both paths run the same layer
+    code and give the same logits.
     """
     roles = parts(model)
-    dec_state, tgt_pad = roles.embed.embed_target(tgt_in_ids)
-    for layer in roles.decoders:
-        dec_state = layer.decode(dec_state, memory, src_pad, tgt_pad)
+    offset = cache.length if cache is not None else 0
+    dec_state, tgt_pad = roles.embed.embed_target(tgt_in_ids, offset)
+    for index, layer in enumerate(roles.decoders):
+        layer_cache = cache.layers[index] if cache is not None else None
+        dec_state = layer.decode(dec_state, memory, src_pad, tgt_pad, layer_cache)
+    if cache is not None:
+        cache.length += tgt_in_ids.shape[1]
     if last_only:
         dec_state = dec_state[:, -1]
     return roles.project.logits(dec_state)

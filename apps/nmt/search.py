@@ -8,11 +8,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from apps.nmt.model import decode, encode
+from apps.nmt.model import decode, encode, new_decoder_cache
 
-# (prefix tokens [N, t] starting with BOS, source index of each row [N]) -> log-probs [N, V]
-# of the next token. Rows of finished sources are dropped between steps, hence the index.
-StepFn = Callable[[Tensor, Tensor], Tensor]
+# step(prefix [N, t] starting with BOS, source [N], parent [N] or None) -> log-probs [N, V] of
+# the next token. source: which input sentence each row translates. parent: the row of the
+# previous call that each row extends (None at the first call), so a stateful step can reorder
+# its cache; rows of finished sentences and pruned beams disappear between calls.
+StepFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -20,16 +22,30 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def model_step_fn(model: nn.Sequential, src_ids: Tensor) -> StepFn:
+def model_step_fn(model: nn.Sequential, src_ids: Tensor, *, use_cache: bool = True) -> StepFn:
     """Encode ``src_ids`` [B,S] once with the model's own layers; return the decoder step.
 
-    Each step re-runs the decoder over the whole prefix (no key/value cache), which is exact and
-    cheap enough at CPU scale.
+    With ``use_cache`` each step feeds only the newest token and reuses the decoder's keys and
+    values (``apps.nmt.model.DecoderCache``); without it each step re-runs the decoder over the
+    whole prefix. Both give the same log-probabilities.
     """
     memory, src_pad = encode(model, src_ids)
+    cache = new_decoder_cache(model) if use_cache else None
 
-    def step(prefix: Tensor, source_index: Tensor) -> Tensor:
-        logits = decode(model, memory[source_index], src_pad[source_index], prefix, last_only=True)
+    def step(prefix: Tensor, source: Tensor, parent: Tensor | None) -> Tensor:
+        new_tokens = prefix
+        if cache is not None:
+            if parent is not None:
+                cache.select(parent)
+                new_tokens = prefix[:, cache.length :]
+            if new_tokens.shape[1] != 1:
+                raise ValueError(
+                    f"cached decoding expects one new token per step, got a prefix of "
+                    f"{prefix.shape[1]} after {cache.length} cached positions"
+                )
+        logits = decode(
+            model, memory[source], src_pad[source], new_tokens, last_only=True, cache=cache
+        )
         return logits.float().log_softmax(dim=-1)
 
     return step
@@ -48,13 +64,15 @@ def greedy_decode(
     outputs: list[list[int]] = [[] for _ in range(batch_size)]
     active = torch.arange(batch_size, device=device)
     prefix = torch.full((batch_size, 1), bos_id, dtype=torch.long, device=device)
+    parent: Tensor | None = None
     for _ in range(max_len):
-        next_token = step(prefix, active).argmax(dim=-1)
+        next_token = step(prefix, active, parent).argmax(dim=-1)
         prefix = torch.cat([prefix, next_token[:, None]], dim=1)
         ended = next_token.eq(eos_id)
         for row in ended.nonzero().flatten().tolist():
             outputs[int(active[row])] = prefix[row, 1:-1].tolist()
-        active, prefix = active[~ended], prefix[~ended]
+        parent = (~ended).nonzero().flatten()
+        active, prefix = active[parent], prefix[parent]
         if active.numel() == 0:
             break
     for row, source in enumerate(active.tolist()):  # hit max_len without EOS
@@ -93,10 +111,11 @@ def beam_decode(
     # only beam 0 is real at the start, so the first step does not pick k copies of one token
     scores = torch.full((batch_size, k), -math.inf, device=device)
     scores[:, 0] = 0.0
+    parent: Tensor | None = None
 
     for length in range(1, max_len + 1):  # length = tokens generated after this step
         num_active = active.numel()
-        log_probs = step(prefix.view(num_active * k, -1), active.repeat_interleave(k))
+        log_probs = step(prefix.view(num_active * k, -1), active.repeat_interleave(k), parent)
         vocab = log_probs.shape[-1]
         candidates = (scores[:, :, None] + log_probs.view(num_active, k, vocab)).view(
             num_active, k * vocab
@@ -151,6 +170,7 @@ def beam_decode(
         beam_index = torch.tensor(keep_beams, device=prefix.device)
         new_tokens = torch.tensor(keep_tokens, device=prefix.device)
         prefix = torch.cat([prefix[row_index, beam_index], new_tokens[:, :, None]], dim=2)
+        parent = (row_index * k + beam_index).flatten()  # rows were laid out as (row, beam)
         scores = torch.tensor(keep_scores, device=prefix.device, dtype=scores.dtype)
         active = active[row_index[:, 0]]
 
@@ -167,16 +187,18 @@ def beam_search(
     beam_size: int = 4,
     alpha: float = 0.6,
     max_len: int = 64,
+    use_cache: bool = True,
 ) -> list[list[int]]:
     """Translate a padded batch ``src_ids`` [B,S]; returns token ids per sentence (no BOS/EOS).
 
     ``beam_size=1`` is greedy decoding. Runs the model in eval mode (restored afterwards) with the
-    model's own layers, through ``apps.nmt.model.encode`` / ``decode``.
+    model's own layers, through ``apps.nmt.model.encode`` / ``decode``; ``use_cache=False``
+    re-runs the decoder over the prefix at each step instead of caching keys and values.
     """
     was_training = model.training
     model.eval()
     try:
-        step = model_step_fn(model, src_ids)
+        step = model_step_fn(model, src_ids, use_cache=use_cache)
         common = dict(
             batch_size=src_ids.shape[0],
             bos_id=bos_id,

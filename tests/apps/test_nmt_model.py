@@ -18,6 +18,7 @@ from apps.nmt.model import (
     count_parameters,
     decode,
     encode,
+    new_decoder_cache,
     token_cross_entropy,
     token_cross_entropy_sum,
 )
@@ -188,6 +189,26 @@ def test_encode_and_decode_reuse_the_layers_exactly() -> None:
     assert torch.equal(last, model((src, tgt))[:, -1])
 
 
+def test_cached_incremental_decoding_matches_the_full_decoder() -> None:
+    model = build_model(tiny_config()).double().eval()
+    src, _ = random_batch()
+    tgt = torch.randint(4, 128, (6, 7))  # decoding prefixes hold no padding
+    memory, src_pad = encode(model, src)
+    full = decode(model, memory, src_pad, tgt)
+    cache = new_decoder_cache(model)
+    steps = [decode(model, memory, src_pad, tgt[:, :1], cache=cache)[:, -1]]
+    steps += [decode(model, memory, src_pad, tgt[:, 1:4], cache=cache)[:, -1]]  # several at once
+    rows = torch.tensor([5, 0, 2, 2])  # reorder and duplicate rows, as beam search does
+    cache.select(rows)
+    for position in range(4, 7):
+        logits = decode(
+            model, memory[rows], src_pad[rows], tgt[rows, position : position + 1], cache=cache
+        )
+        torch.testing.assert_close(logits[:, -1], full[rows, position], rtol=0, atol=1e-12)
+    torch.testing.assert_close(steps[0], full[:, 0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(steps[1], full[:, 3], rtol=0, atol=1e-12)
+
+
 def test_too_long_input_names_max_positions() -> None:
     model = build_model(tiny_config(max_positions=40, max_len=32, max_decode_len=24))
     with pytest.raises(ValueError, match="max_positions=40"):
@@ -312,7 +333,7 @@ def table_step_fn(table: dict[tuple[int, ...], dict[int, float]], vocab: int = 8
     """A step function from a table prefix -> {token: probability}; unlisted tokens get ~0 and
     unlisted prefixes (reached only through ~0 tokens) end."""
 
-    def step(prefix: Tensor, source_index: Tensor) -> Tensor:
+    def step(prefix: Tensor, source: Tensor, parent: Tensor | None) -> Tensor:
         rows = []
         for row in prefix.tolist():
             probs = torch.full((vocab,), 1e-9, dtype=torch.float64)
@@ -382,10 +403,18 @@ def test_beam_search_decodes_a_learned_copy_task() -> None:
     src, _, _ = copy_batch(generator, 24, config.vocab_size)
     expected = [[token for token in row if token != PAD] for row in src.tolist()]
     for beam_size in (1, 4):
-        hypotheses = beam_search(
-            model, src, bos_id=BOS, eos_id=EOS, beam_size=beam_size, alpha=0.6, max_len=12
-        )
-        assert hypotheses == expected, f"beam_size={beam_size}"
+        for use_cache in (True, False):
+            hypotheses = beam_search(
+                model,
+                src,
+                bos_id=BOS,
+                eos_id=EOS,
+                beam_size=beam_size,
+                alpha=0.6,
+                max_len=12,
+                use_cache=use_cache,
+            )
+            assert hypotheses == expected, f"beam_size={beam_size} use_cache={use_cache}"
     assert model.training  # the search restored the mode
 
 
