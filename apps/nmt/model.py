@@ -58,6 +58,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -459,7 +460,7 @@ class Project(_RecordsActivation):
         vocab_size: int,
         *,
         logits_abs_max: float | None,
-        tied_weight: nn.Parameter | None = None,
+        tied_weight: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.logits_abs_max = logits_abs_max
@@ -469,6 +470,8 @@ class Project(_RecordsActivation):
             self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
             self.tied = False
         else:
+            if not isinstance(tied_weight, nn.Parameter):
+                raise TypeError("tied_weight must be the target embedding's nn.Parameter")
             self.weight = tied_weight
             self.tied = True
         self.bias = nn.Parameter(torch.empty(vocab_size))
@@ -519,7 +522,7 @@ def transformer(
     layer's ``reset_parameters()`` after materialising it (``to_empty``) to initialise it.
     """
     ffn_init_scale = (2 * num_layers) ** -0.5 if scaled_init else 1.0
-    layer_args = dict(
+    layer_args: dict[str, Any] = dict(
         num_heads=num_heads,
         head_dim=head_dim,
         dropout=dropout,

@@ -469,3 +469,23 @@ def test_command_line_lists_and_bools() -> None:
 def test_bad_values_get_clear_errors(args: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_nmt_config(args)
+
+
+# --- under the pipeline ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_gpipe_gives_the_plain_loss_and_gradients(checkpoint: str) -> None:
+    gp = pytest.importorskip("gpipe_core")
+    model = build_model(tiny_config()).double()  # tiny has dropout 0: same function either way
+    src, tgt = random_batch()
+    token_cross_entropy(model((src, tgt)), tgt, pad_id=PAD).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    plain_loss = token_cross_entropy(model((src, tgt)), tgt, pad_id=PAD)
+    model.zero_grad()
+    pipe = gp.GPipe(model, balance=[2, 4], chunks=3, checkpoint=checkpoint)
+    loss = token_cross_entropy(pipe((src, tgt)), tgt, pad_id=PAD)
+    loss.backward()
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=1e-12, msg=name)
