@@ -380,10 +380,10 @@ class TrainBatches(Iterator[Batch]):
         groups.append(current)
         batches = []
         for group_index in rng.permutation(len(groups)):
-            rows = groups[group_index]
-            langs = [self.languages[lang_of_row[row]] for row in rows]
-            pairs = [(self._data[lang_of_row[row]], int(pair_of_row[row])) for row in rows]
-            src, tgt_in, tgt_out = _collate(pairs, self._special_ids)
+            group = groups[group_index]
+            langs = [self.languages[lang_of_row[row]] for row in group]
+            chosen = [(self._data[lang_of_row[row]], int(pair_of_row[row])) for row in group]
+            src, tgt_in, tgt_out = _collate(chosen, self._special_ids)
             batches.append(Batch(src, tgt_in, tgt_out, langs))
         return batches
 

@@ -648,11 +648,11 @@ def prepare(
     sources_used += [f"tsv:{p}" for p in tsv_files] + [f"aligned:{d}" for d in aligned_dirs]
     for stream in user_triples:
         for raw_lang, source, english in stream:
-            lang = normalize_lang(raw_lang)
-            if lang is None:
+            user_lang = normalize_lang(raw_lang)
+            if user_lang is None:
                 dropped["bad_or_english_language"] += 1
                 continue
-            add(lang, source, english)
+            add(user_lang, source, english)
     if not triples:
         raise PrepareError(f"no usable pair found in {sources_used} (dropped: {dict(dropped)})")
     log(f"{raw_pairs} raw pairs -> {len(triples)} unique clean pairs; dropped {dict(dropped)}")
