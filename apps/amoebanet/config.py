@@ -23,12 +23,12 @@ class AmoebaNetConfig:
     """Everything one AmoebaNet run needs; defaults are a small CPU model on Fashion-MNIST."""
 
     # --- model -------------------------------------------------------------------------------
-    genotype: str = "D"  # "D" (AmoebaNet-D, Table 1 of the paper) or "B" (the 84.4% ImageNet model)
+    genotype: str = "D"  # "D" (AmoebaNet-D, as in Table 1) or "B" (the 84.4% ImageNet model)
     num_normal_cells: int = 6  # L: normal cells; reduction cells come after L/3 and 2L/3
-    filters: int = 32  # D: filters of the first normal cells (stem cells D/4, D/2; x2 per reduction)
+    filters: int = 32  # D: first normal cells' filters (stem cells D/4, D/2; x2 per reduction)
     num_classes: int = 10  # classifier outputs; must match the dataset's classes
     in_chans: int = 1  # image channels: 1 for Fashion-MNIST (grayscale), 3 for ImageNet
-    image_size: int = 28  # side of the square network input after the transforms (224 in the paper)
+    image_size: int = 28  # side of the square input after the transforms (224 in the paper)
     stem_stride: int = 1  # 2 as in the paper; 1 keeps resolution for tiny images like 28x28
     drop_path: float = 0.0  # drop-path probability at the last cell (grows linearly with depth)
     dropout: float = 0.0  # dropout before the classifier's linear layer
@@ -63,7 +63,7 @@ class AmoebaNetConfig:
     balance: tuple[int, ...] | None = None  # layers per stage; None = balance by parameters
 
     # --- optimisation --------------------------------------------------------------------------
-    optimizer: str = "adamw"  # timm create_optimizer_v2 name: "rmsproptf" (AmoebaNet), "adamw", "sgd"
+    optimizer: str = "adamw"  # timm create_optimizer_v2 name: "rmsproptf" (AmoebaNet), "sgd", ...
     lr: float = 2e-3  # peak learning rate
     weight_decay: float = 0.05  # 4e-5 with rmsproptf in the paper
     momentum: float = 0.9  # rmsproptf / sgd momentum
@@ -76,7 +76,7 @@ class AmoebaNetConfig:
     decay_epochs: float = 2.4  # "step" scheduler: epochs between decays (exponential decay)
     decay_rate: float = 0.97  # "step" scheduler: factor per decay
     epochs: int = 10  # full passes over the training split
-    max_minutes: float = 30.0  # wall-clock budget; training stops (and evaluates) when spent
+    max_minutes: float = 30.0  # wall-clock budget (0 = none); when spent, stop and evaluate
     seed: int = 0  # seeds data order, augmentation and initialisation
 
     # --- logging and checkpoints -------------------------------------------------------------

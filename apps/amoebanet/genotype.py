@@ -1,4 +1,4 @@
-"""AmoebaNet-D and AmoebaNet-B genotypes: the op list, op inputs and concatenated states of each cell."""
+"""AmoebaNet-D and -B genotypes: each cell's ops, their input states and the concatenated states."""
 
 from __future__ import annotations
 
