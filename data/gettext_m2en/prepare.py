@@ -387,6 +387,21 @@ def lang_tag(lang: str) -> str:
     return f"<{lang}>"
 
 
+def character_coverage(lines: Sequence[str], *, budget: int, target: float = 0.9995) -> float:
+    """SentencePiece `character_coverage` that needs at most `budget` distinct characters.
+
+    SentencePiece refuses a vocabulary smaller than the characters it must cover; with 150+
+    scripts and a CPU-sized vocabulary (a few thousand pieces) 0.9995 can need more. The rare
+    characters left out are not lost: byte fallback spells them as bytes.
+    """
+    counts = Counter("".join(lines).replace(" ", ""))  # spaces become the ▁ meta piece
+    frequencies = sorted(counts.values(), reverse=True)
+    total = sum(frequencies)
+    if total == 0 or len(frequencies) <= budget:
+        return target
+    return min(target, sum(frequencies[:budget]) / total - 1e-6)
+
+
 def train_tokenizer(
     train: Sequence[Triple],
     model_dir: Path,
@@ -420,6 +435,16 @@ def train_tokenizer(
     take = min(len(english), max(1, max_sentences - len(lines)))
     lines.extend(english[i] for i in rng.choice(len(english), size=take, replace=False))
 
+    control_symbols = [lang_tag(lang) for lang in sorted(by_lang)]
+    # Half of what is left after special, byte and tag pieces may go to single characters.
+    reserved = 4 + 256 + len(control_symbols)
+    if vocab_size < reserved + 64:
+        raise PrepareError(
+            f"vocab_size={vocab_size} leaves no room for pieces: {reserved} ids are reserved "
+            f"(4 special, 256 bytes, {len(control_symbols)} language tags); "
+            f"use at least {reserved + 64} (8000 for CPU runs, 64000 as in the paper)"
+        )
+    coverage = character_coverage(lines, budget=max(1, (vocab_size - reserved) // 2))
     spm.set_random_generator_seed(seed)
     model_dir.mkdir(parents=True, exist_ok=True)
     input_file = model_dir / "spm_input.txt"
@@ -431,13 +456,13 @@ def train_tokenizer(
         vocab_size=vocab_size,
         model_type="unigram",
         # Rare characters fall back to bytes instead of <unk>: 150 scripts share the vocabulary.
-        character_coverage=0.9995,
+        character_coverage=coverage,
         byte_fallback=True,
         pad_id=PAD_ID,
         unk_id=UNK_ID,
         bos_id=BOS_ID,
         eos_id=EOS_ID,
-        control_symbols=[lang_tag(lang) for lang in sorted(by_lang)],
+        control_symbols=control_symbols,
         # A small corpus (tests, a few languages) may not support the requested size.
         hard_vocab_limit=False,
         # The input is already a bounded random sample; reading all of it keeps runs repeatable.

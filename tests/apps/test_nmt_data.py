@@ -25,6 +25,7 @@ from apps.nmt.data import (
 )
 from data.gettext_m2en.prepare import (
     PrepareError,
+    character_coverage,
     normalize_lang,
     prepare,
     strip_accelerators,
@@ -178,6 +179,16 @@ def test_normalize_lang() -> None:
 )
 def test_strip_accelerators(english: str, source: str, expected: tuple[str, str]) -> None:
     assert strip_accelerators(english, source) == expected
+
+
+def test_character_coverage_fits_the_vocabulary() -> None:
+    # 300 distinct characters, the most frequent first: a budget of 100 must leave some out.
+    lines = ["".join(chr(0x4E00 + i) * (300 - i) for i in range(300))]
+    coverage = character_coverage(lines, budget=100)
+    frequencies = sorted(range(1, 301), reverse=True)
+    assert coverage <= sum(frequencies[:100]) / sum(frequencies)
+    assert coverage > sum(frequencies[:99]) / sum(frequencies)
+    assert character_coverage(["abc abc"], budget=100) == 0.9995
 
 
 def test_cleaning(corpus: Path) -> None:
@@ -395,6 +406,13 @@ def test_missing_corpus_says_how_to_build_it(tmp_path: Path) -> None:
         TrainBatches(tmp_path / "nothing", max_tokens=512)
     with pytest.raises(PrepareError, match="no corpus source"):
         prepare(tmp_path / "out", packages=None, verbose=False)
+
+
+def test_too_small_vocabulary_is_an_error(tmp_path: Path) -> None:
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("".join(f"de\tHallo {i}\tHello {i}\n" for i in range(30)), encoding="utf-8")
+    with pytest.raises(PrepareError, match="vocab_size=100 leaves no room.*use at least 325"):
+        prepare(tmp_path / "out", **{**PREPARE_ARGS, "vocab_size": 100}, tsv_files=[tsv])
 
 
 def test_unknown_language_is_an_error(corpus: Path) -> None:
