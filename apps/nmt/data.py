@@ -417,6 +417,19 @@ def eval_batches(
     data = _read_split(cache_dir, split, chosen)
     special = (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
 
+    return _eval_batches(data, chosen, special, max_tokens=max_tokens, max_per_lang=max_per_lang)
+
+
+def _eval_batches(
+    data: Mapping[str, _Language],
+    languages: Sequence[str],
+    special: tuple[int, int, int],
+    *,
+    max_tokens: int,
+    max_per_lang: int | None,
+) -> Iterator[Batch]:
+    # A separate generator, so that eval_batches raises its errors when called, not when first
+    # iterated.
     def make(lang: str, lang_data: _Language, rows: list[int]) -> Batch:
         src, tgt_in, tgt_out = _collate([(lang_data, i) for i in rows], special)
         return Batch(
@@ -428,7 +441,7 @@ def eval_batches(
             references=[lang_data.references[i] for i in rows],
         )
 
-    for lang in chosen:
+    for lang in languages:
         lang_data = data[lang]
         total = len(lang_data) if max_per_lang is None else min(len(lang_data), max_per_lang)
         rows: list[int] = []

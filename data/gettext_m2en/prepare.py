@@ -554,6 +554,7 @@ def prepare(
     locale_roots: Sequence[str | Path] = (),
     tsv_files: Sequence[str | Path] = (),
     aligned_dirs: Sequence[str | Path] = (),
+    languages: Sequence[str] | None = None,
     vocab_size: int = 8000,
     spm_temperature: float = 5.0,
     spm_max_sentences: int = 200_000,
@@ -571,7 +572,9 @@ def prepare(
     Sources, combined: Debian `packages` fetched with apt (`"quick"`, `"full"`, names, or None),
     catalogs under `locale_roots` (any tree holding `.mo` files), `tsv_files` and
     `aligned_dirs` (see `read_tsv`, `read_aligned_dir`). When apt is unavailable the packages
-    are replaced by the catalogs installed under /usr/share/locale.
+    are replaced by the catalogs installed under /usr/share/locale. `languages` keeps only those
+    source languages (normalised names, e.g. `["de", "fr", "pt_BR"]`), so the tokenizer's
+    vocabulary is spent on them; None keeps all.
 
     Writes under `out`: `pairs/{train,dev,test}.tsv`, `counts.json`, `spm/spm.model`,
     `shards/{split}-NNNNNN.tar` and, last, `manifest.json`. If a manifest with the same settings
@@ -585,6 +588,7 @@ def prepare(
         "locale_roots": [str(Path(p).resolve()) for p in locale_roots],
         "tsv_files": [str(Path(p).resolve()) for p in tsv_files],
         "aligned_dirs": [str(Path(p).resolve()) for p in aligned_dirs],
+        "languages": sorted(languages) if languages is not None else None,
         "vocab_size": vocab_size,
         "spm_temperature": spm_temperature,
         "spm_max_sentences": spm_max_sentences,
@@ -680,6 +684,16 @@ def prepare(
             add(user_lang, source, english)
     if not triples:
         raise PrepareError(f"no usable pair found in {sources_used} (dropped: {dict(dropped)})")
+    if languages is not None:
+        present = {t[0] for t in triples}
+        missing = sorted(set(languages) - present)
+        if missing:
+            raise PrepareError(
+                f"no pairs for language(s) {missing} in {sources_used}; "
+                f"available: {' '.join(sorted(present))}"
+            )
+        keep = set(languages)
+        triples = {t for t in triples if t[0] in keep}
     log(f"{raw_pairs} raw pairs -> {len(triples)} unique clean pairs; dropped {dict(dropped)}")
 
     # 3. Split by the English side and write the raw text (needed for BLEU references).
@@ -809,6 +823,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=Path,
         help="a directory of aligned <stem>.<lang> / <stem>.en files (repeatable)",
     )
+    parser.add_argument(
+        "--languages",
+        default=None,
+        help="keep only these source languages, e.g. de,fr,pt_BR (default all)",
+    )
     parser.add_argument("--vocab-size", type=int, default=8000, help="8000 for CPU, 64000 paper")
     parser.add_argument("--spm-temperature", type=float, default=5.0)
     parser.add_argument("--spm-max-sentences", type=int, default=200_000)
@@ -831,6 +850,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             locale_roots=args.locale_root,
             tsv_files=args.tsv,
             aligned_dirs=args.aligned,
+            languages=args.languages.split(",") if args.languages else None,
             vocab_size=args.vocab_size,
             spm_temperature=args.spm_temperature,
             spm_max_sentences=args.spm_max_sentences,

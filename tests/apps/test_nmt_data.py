@@ -401,6 +401,22 @@ def test_user_corpus_tsv_and_aligned(tmp_path: Path) -> None:
     assert json.loads((out / "counts.json").read_text())["total"] == {"es": 80, "it": 60}
 
 
+def test_prepare_keeps_only_requested_languages(tmp_path: Path) -> None:
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text(
+        "".join(
+            f"{lang}\t{translate(lang, english_sentence(i))}\t{english_sentence(i)}\n"
+            for lang in ("de", "fr", "pt_BR")
+            for i in range(40)
+        ),
+        encoding="utf-8",
+    )
+    manifest = prepare(tmp_path / "c", tsv_files=[tsv], languages=["pt_BR", "de"], **PREPARE_ARGS)
+    assert manifest["languages"] == ["de", "pt_BR"]
+    with pytest.raises(PrepareError, match=r"no pairs for language\(s\) \['xx'\].*de fr pt_BR"):
+        prepare(tmp_path / "d", tsv_files=[tsv], languages=["de", "xx"], **PREPARE_ARGS)
+
+
 def test_missing_corpus_says_how_to_build_it(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match=r"python -m data\.gettext_m2en\.prepare --out"):
         TrainBatches(tmp_path / "nothing", max_tokens=512)
@@ -419,7 +435,7 @@ def test_unknown_language_is_an_error(corpus: Path) -> None:
     with pytest.raises(CorpusError, match=r"no train data for language\(s\) \['xx'\].*de fr"):
         TrainBatches(corpus, max_tokens=512, languages=["de", "xx"])
     with pytest.raises(CorpusError, match="no dev data"):
-        list(eval_batches(corpus, "dev", languages=["xx"]))
+        eval_batches(corpus, "dev", languages=["xx"])  # raised at the call, before iterating
 
 
 def test_missing_tokenizer_is_an_error(corpus: Path, tmp_path: Path) -> None:
