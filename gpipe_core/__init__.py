@@ -1,12 +1,26 @@
 """GPipe pipeline parallelism for PyTorch: micro-batches, re-materialization, schedules as data."""
 
 from .batchnorm import DeferredBatchNorm
+from .distributed import (
+    DistributedGPipe,
+    PipelineFailure,
+    init_process_groups,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .gpipe import GPipe
+from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
 
 __all__ = [
     "GPipe",
+    "DistributedGPipe",
+    "PipelineFailure",
+    "init_process_groups",
+    "load_checkpoint",
+    "save_checkpoint",
+    "materialize",
     "DeferredBatchNorm",
     "Balance",
     "balance_by_params",

@@ -7,22 +7,36 @@ tensor or None per tensor leaf. Shapes and dtypes may change from one micro-batc
 
 - :class:`LocalTransport`: stages in one process; a message is a dictionary entry, moved to the
   receiving stage's device.
-- :class:`DistributedTransport` (in ``gpipe_core.p2p``): one stage per process, point-to-point
-  ``torch.distributed`` messages.
+- :class:`DistributedTransport`: one stage per process, point-to-point ``torch.distributed``
+  messages (gloo on CPU, NCCL on GPU).
+
+Wire format of one distributed message (all on the stage's device)::
+
+    header  int64[HEADER_SIZE]: [skeleton_bytes, num_tensors, num_microbatches,
+                                 (dtype, requires_grad, ndim, *shape) per tensor ...]
+    skeleton  uint8[skeleton_bytes]  pickled nesting and non-tensor leaves; sent only when it
+                                     differs from the previous message on this channel
+    tensors   one message per tensor leaf, in order
+
+Sends are asynchronous (``isend``) and complete by :meth:`Transport.finish`; receives wait at
+most ``timeout_s`` seconds, so a dead or stuck neighbour turns into an error, never a hang.
 """
 
 from __future__ import annotations
 
+import datetime
+import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from .microbatch import map_tensors
+from .microbatch import flatten, map_tensors, unflatten
 
-__all__ = ["Transport", "LocalTransport", "Mailbox"]
+__all__ = ["Transport", "LocalTransport", "Mailbox", "DistributedTransport", "PeerError"]
 
 Grads = list[Tensor | None]
 
@@ -88,3 +102,150 @@ class LocalTransport(Transport):
 
     def recv_gradient(self, mb: int) -> Grads:
         return self._take(("B", self.stage_index, mb))
+
+
+class PeerError(RuntimeError):
+    """A neighbouring stage stopped answering or closed its connection."""
+
+    def __init__(self, peer_rank: int, peer_stage: int, detail: str) -> None:
+        super().__init__(f"peer rank {peer_rank} (stage {peer_stage}): {detail}")
+        self.peer_rank = peer_rank
+        self.peer_stage = peer_stage
+
+
+HEADER_SIZE = 256
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_TENSOR = "__tensor__"  # stands for a tensor leaf in the pickled skeleton
+
+
+class DistributedTransport(Transport):
+    """Point-to-point messages with the neighbouring stages' processes."""
+
+    def __init__(
+        self,
+        stage_index: int,
+        stage_ranks: Sequence[int],
+        device: torch.device,
+        *,
+        group: Any = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.stage_index = stage_index
+        self.stage_ranks = list(stage_ranks)
+        self.device = device
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._pending: list[Any] = []  # (work, buffers) of sends in flight
+        self._sent_skeleton: dict[int, bytes] = {}
+        self._recv_skeleton: dict[int, Any] = {}
+        self.num_microbatches_seen = 0
+
+    # -- public ----------------------------------------------------------------------------
+
+    def send_activation(self, mb: int, payload: Any) -> None:
+        self._send(self.stage_index + 1, payload)
+
+    def recv_activation(self, mb: int) -> Any:
+        return self._recv(self.stage_index - 1)
+
+    def send_gradient(self, mb: int, grads: list[Tensor | None]) -> None:
+        self._send(self.stage_index - 1, grads)
+
+    def recv_gradient(self, mb: int) -> list[Tensor | None]:
+        return self._recv(self.stage_index + 1)
+
+    def send_step_header(self, num_microbatches: int, step: int) -> None:
+        """Tell the next stage how many micro-batches this step has (it cannot see the input)."""
+        header = torch.tensor([num_microbatches, step], dtype=torch.int64, device=self.device)
+        self._isend(header, self.stage_index + 1)
+
+    def recv_step_header(self) -> tuple[int, int]:
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        self._irecv_wait([header], self.stage_index - 1)
+        num_microbatches, step = header.tolist()
+        return int(num_microbatches), int(step)
+
+    def send_tensor(self, tensor: Tensor, stage: int) -> None:
+        """Send one tensor of known shape to ``stage`` (used for tied-parameter gradients)."""
+        self._isend(tensor.contiguous(), stage)
+
+    def recv_tensor(self, out: Tensor, stage: int) -> Tensor:
+        self._irecv_wait([out], stage)
+        return out
+
+    def finish(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _buffers in pending:
+            work.wait(self.timeout)
+
+    # -- wire format -----------------------------------------------------------------------
+
+    def _isend(self, tensor: Tensor, stage: int) -> None:
+        work = dist.isend(tensor, dst=self.stage_ranks[stage], group=self.group)
+        self._pending.append((work, tensor))  # keep the buffer alive until the send completes
+
+    def _irecv_wait(self, buffers: list[Tensor], stage: int) -> None:
+        rank = self.stage_ranks[stage]
+        try:
+            works = [dist.irecv(b, src=rank, group=self.group) for b in buffers]
+            for work in works:
+                assert work is not None
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerError(rank, stage, f"receive failed ({exc})") from exc
+
+    def _send(self, stage: int, payload: Any) -> None:
+        leaves, spec = flatten(payload)
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        skeleton = pickle.dumps((spec, [_TENSOR if isinstance(x, Tensor) else x for x in leaves]))
+        send_skeleton = self._sent_skeleton.get(stage) != skeleton
+        header = [len(skeleton) if send_skeleton else 0, len(tensors), 0]
+        for tensor in tensors:
+            if tensor.dtype not in _DTYPE_CODE:
+                raise TypeError(f"cannot send a tensor of dtype {tensor.dtype} between stages")
+            header += [_DTYPE_CODE[tensor.dtype], int(tensor.requires_grad), tensor.dim()]
+            header += list(tensor.shape)
+        if len(header) > HEADER_SIZE:
+            raise ValueError(
+                f"a message of {len(tensors)} tensors needs a {len(header)}-slot header, more "
+                f"than {HEADER_SIZE}; pass fewer or lower-dimensional tensors between stages"
+            )
+        header += [0] * (HEADER_SIZE - len(header))
+        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), stage)
+        if send_skeleton:
+            self._sent_skeleton[stage] = skeleton
+            data = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8).to(self.device)
+            self._isend(data, stage)
+        for tensor in tensors:
+            self._isend(tensor.detach().to(self.device).contiguous(), stage)
+
+    def _recv(self, stage: int) -> Any:
+        header_tensor = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
+        self._irecv_wait([header_tensor], stage)
+        header = header_tensor.tolist()
+        skeleton_bytes, num_tensors = int(header[0]), int(header[1])
+        if skeleton_bytes:
+            data = torch.empty(skeleton_bytes, dtype=torch.uint8, device=self.device)
+            self._irecv_wait([data], stage)
+            self._recv_skeleton[stage] = pickle.loads(data.cpu().numpy().tobytes())
+        spec, kinds = self._recv_skeleton[stage]
+        buffers: list[Tensor] = []
+        flags: list[bool] = []
+        pos = 3
+        for _ in range(num_tensors):
+            dtype, requires_grad, ndim = header[pos], header[pos + 1], header[pos + 2]
+            shape = header[pos + 3 : pos + 3 + ndim]
+            pos += 3 + ndim
+            buffers.append(torch.empty(shape, dtype=_DTYPES[dtype], device=self.device))
+            flags.append(bool(requires_grad))
+        if buffers:
+            self._irecv_wait(buffers, stage)
+        tensors = iter(
+            b.requires_grad_(True) if flag else b for b, flag in zip(buffers, flags, strict=True)
+        )
+        leaves = [next(tensors) if kind == _TENSOR else kind for kind in kinds]
+        return unflatten(leaves, spec)

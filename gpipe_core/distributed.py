@@ -1,0 +1,513 @@
+"""DistributedGPipe: one partition per process under ``torchrun``, on ``torch.distributed``.
+
+Every rank of the pipeline group builds the same ``DistributedGPipe`` (the module may be on the
+``meta`` device: a rank materializes only its own partition) and calls :meth:`step` with the
+same arguments each step. Rank ``s`` of the pipeline group runs stage ``s``; it walks its row of
+the schedule with the same runtime and stage code as :class:`~gpipe_core.GPipe`, exchanging
+activations and gradients with its neighbours point to point::
+
+    rank 0: [stage 0] --activations--> rank 1: [stage 1] --> ... --> rank K-1: [stage K-1] + loss
+            [stage 0] <--gradients---- rank 1: [stage 1] <-- ... <-- rank K-1
+
+With a data-parallel group as well (pipeline x data parallel), gradients are averaged over the
+replicas of each stage after the pipeline's backward. If any rank fails, the others stop within
+``timeout_s`` seconds with an error naming the rank and stage that failed first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .batchnorm import DeferredBatchNorm
+from .checkpoint import CHECKPOINT_MODES
+from .materialize import InitFn, is_meta, materialize_layer
+from .microbatch import batch_size, scatter
+from .partition import split_module, verify_module
+from .runtime import StageRuntime, StepState, TimelineEvent
+from .schedule import Schedule, get_schedule
+from .stage import LossFn, Stage
+from .transport import DistributedTransport, PeerError
+
+__all__ = [
+    "DistributedGPipe",
+    "PipelineFailure",
+    "init_process_groups",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+_FAILURE_KEY = "gpipe/first_failure"
+
+
+class PipelineFailure(RuntimeError):
+    """Another rank of the pipeline failed; the message names it and its error."""
+
+
+def init_process_groups(
+    num_stages: int, *, backend: str | None = None, timeout_s: float = 60.0
+) -> tuple[Any, Any]:
+    """Initialise torch.distributed from torchrun's environment and build the two groups.
+
+    Ranks are laid out pipeline-major: with world size ``W`` and ``K = num_stages`` there are
+    ``W / K`` replicas; replica ``r`` holds ranks ``r*K ... r*K + K-1`` (its stages in order).
+    Returns ``(pipeline_group, data_parallel_group)`` of the calling rank; the data-parallel
+    group links the ranks that hold the same stage. Backend: NCCL with CUDA, else gloo.
+    """
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % num_stages != 0:
+        raise ValueError(
+            f"world size {world} is not a multiple of num_stages={num_stages}; launch "
+            f"torchrun with --nproc-per-node a multiple of {num_stages}"
+        )
+    replicas = world // num_stages
+    pipeline_group = data_group = None
+    # new_group must be called by every rank for every group, in the same order.
+    for replica in range(replicas):
+        ranks = list(range(replica * num_stages, (replica + 1) * num_stages))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            pipeline_group = group
+    for stage in range(num_stages):
+        ranks = [replica * num_stages + stage for replica in range(replicas)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            data_group = group
+    return pipeline_group, data_group
+
+
+class DistributedGPipe(nn.Module):
+    """The local stage of a pipeline that spans the ranks of ``group``.
+
+    Args:
+        module: the whole network as ``nn.Sequential`` (on ``meta`` to save memory).
+        balance: layers per stage; ``len(balance)`` must equal the pipeline group's size.
+        chunks: micro-batches per step (M).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"``, or a :class:`Schedule` factory result.
+        loss_fn: ``loss_fn(output_mb, target_mb) -> 0-dim tensor``, run on the last stage.
+        loss_reduction: ``"mean"`` averages the micro-batch losses; ``"sum"`` adds them (then
+            pass ``normalizer=`` to :meth:`step`, e.g. the number of target tokens).
+        group: the pipeline process group (default: the whole world).
+        data_parallel_group: ranks holding the same stage in other replicas; gradients are
+            averaged over it after each step.
+        device: where the local stage lives (default: ``cuda:LOCAL_RANK`` with NCCL, else CPU).
+        seed: base of the per-layer random streams and of meta-device initialisation.
+        tied: ``(first_stage_param_name, last_stage_param_name)``: one weight shared by the
+            first and last stage (e.g. embedding and output projection); kept equal, with
+            gradients summed across the tie.
+        timeout_s: how long a rank waits for a neighbour before declaring it failed.
+        record: keep a per-action timeline for :meth:`trace`.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int],
+        *,
+        chunks: int,
+        checkpoint: str = "except_last",
+        schedule: str | Callable[[int, int], Schedule] = "gpipe",
+        loss_fn: LossFn,
+        loss_reduction: str = "mean",
+        group: Any = None,
+        data_parallel_group: Any = None,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        deferred_batch_norm: bool = False,
+        tied: tuple[str, str] | None = None,
+        init_fn: InitFn | None = None,
+        timeout_s: float = 60.0,
+        record: bool = False,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; launch with torchrun and call "
+                "gp.init_process_groups(num_stages) (or dist.init_process_group) first"
+            )
+        verify_module(module)
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks={chunks!r} must be a positive integer")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint={checkpoint!r} is not one of {CHECKPOINT_MODES}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' or 'sum'")
+        self.group = group
+        self.data_parallel_group = data_parallel_group
+        self.num_stages = dist.get_world_size(group)
+        self.stage_index = dist.get_rank(group)
+        self.stage_ranks = [self._global_rank(i) for i in range(self.num_stages)]
+        if len(balance) != self.num_stages:
+            raise ValueError(
+                f"len(balance)={len(balance)} does not match the pipeline group's size "
+                f"{self.num_stages}; launch one process per partition (torchrun "
+                f"--nproc-per-node {len(balance)}) or change balance"
+            )
+        # A parameter tied across the first and last stage is allowed; any other sharing isn't.
+        partitions = split_module(module, balance) if tied is None else _split_tied(module, balance)
+        self.balance = list(balance)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.schedule_name = schedule
+        self.loss_reduction = loss_reduction
+        self.timeout_s = timeout_s
+        self.seed = torch.initial_seed() if seed is None else int(seed)
+        self.device = torch.device(device) if device is not None else _default_device()
+        first_layer_index = sum(self.balance[: self.stage_index])
+        local = partitions[self.stage_index]
+        meta = any(is_meta(layer) for _, layer in local)
+        for offset, (name, layer) in enumerate(local):
+            if meta:
+                materialize_layer(
+                    layer, first_layer_index + offset, seed=self.seed, device=self.device,
+                    init_fn=init_fn,
+                )
+            else:
+                layer.to(self.device)
+            if deferred_batch_norm:
+                layer = DeferredBatchNorm.convert(layer)
+            self.add_module(name, layer)
+        # A plain attribute would register the tied weight a second time under "_tied".
+        self._tied_holder = [self._resolve_tie(tied)]
+        self.stage = Stage(
+            list(self._modules.items()),  # type: ignore[arg-type]
+            stage_index=self.stage_index,
+            num_stages=self.num_stages,
+            first_layer_index=first_layer_index,
+            device=self.device,
+            checkpoint=checkpoint,
+            seed=self.seed,
+            loss_fn=loss_fn if self.stage_index == self.num_stages - 1 else None,
+        )
+        self.transport = DistributedTransport(
+            self.stage_index, self.stage_ranks, self.device, group=None, timeout_s=timeout_s
+        )
+        self.runtime = StageRuntime(self.stage, self.transport, record=record)
+        self._step = 0
+        self._sync_tied_weight()
+
+    # -- structure -------------------------------------------------------------------------
+
+    @property
+    def _tied(self) -> nn.Parameter | None:
+        return self._tied_holder[0]
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())  # type: ignore[arg-type]
+
+    def schedule(self, num_microbatches: int) -> Schedule:
+        name = self.schedule_name
+        if callable(name):
+            return get_schedule(name(self.num_stages, num_microbatches), self.num_stages,
+                                num_microbatches)
+        return get_schedule(name, self.num_stages, num_microbatches)
+
+    # -- one training step -----------------------------------------------------------------
+
+    def step(self, inputs: Any = None, targets: Any = None, *, normalizer: float | None = None) -> Tensor:
+        """Forward and backward of one mini-batch; returns its loss on every rank.
+
+        ``inputs`` are read on the first stage and ``targets`` on the last (other ranks may pass
+        None). Gradients accumulate into the local parameters' ``.grad``; call the optimizer
+        afterwards. ``normalizer``: divide every micro-batch loss by it (e.g. target tokens).
+        """
+        try:
+            return self._step_impl(inputs, targets, normalizer)
+        except PeerError as exc:
+            raise self._failure(exc) from exc
+        except BaseException as exc:
+            self._report_failure(exc)
+            raise
+
+    def _step_impl(self, inputs: Any, targets: Any, normalizer: float | None) -> Tensor:
+        step = self._step
+        self._step += 1
+        state = StepState(step, 0, keep_outputs=False)
+        if self.is_first:
+            if inputs is None:
+                raise ValueError("the first stage needs inputs: pipe.step(inputs, targets)")
+            state.inputs = [_to_device(mb, self.device) for mb in scatter(inputs, self.chunks)]
+            num_microbatches = len(state.inputs)
+        else:
+            num_microbatches, sender_step = self.transport.recv_step_header()
+            if sender_step != step:
+                raise RuntimeError(
+                    f"stage {self.stage_index} is at step {step} but stage "
+                    f"{self.stage_index - 1} sent step {sender_step}; every rank must call "
+                    "step() the same number of times"
+                )
+        if not self.is_last:
+            self.transport.send_step_header(num_microbatches, step)
+        if self.is_last:
+            if targets is None:
+                raise ValueError("the last stage needs targets: pipe.step(inputs, targets)")
+            state.targets = [_to_device(t, self.device) for t in scatter(targets, self.chunks)]
+            if len(state.targets) != num_microbatches:
+                raise ValueError(
+                    f"targets split into {len(state.targets)} micro-batches but inputs into "
+                    f"{num_microbatches}; targets must have the inputs' batch size "
+                    f"(got {batch_size(targets)})"
+                )
+        state.num_microbatches = num_microbatches
+        if normalizer is not None:
+            self.stage.loss_scale = 1.0 / float(normalizer)
+        elif self.loss_reduction == "mean":
+            self.stage.loss_scale = 1.0 / num_microbatches
+        else:
+            self.stage.loss_scale = None
+        self.stage.begin_step(step, num_microbatches)
+        schedule = self.schedule(num_microbatches)
+        self.runtime.run(schedule.actions[self.stage_index], state)
+        self.transport.finish()
+        loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        if self.is_last:
+            for mb in range(num_microbatches):
+                loss += self.stage.losses.pop((step, mb)).double()
+        self.stage.discard(step)
+        dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
+        self._reduce_tied_gradient()
+        if self.data_parallel_group is not None:
+            self._average_data_parallel_gradients()
+        return loss
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def _store(self) -> Any:
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - the store is a best-effort side channel
+            return None
+
+    def _report_failure(self, exc: BaseException) -> None:
+        store = self._store()
+        if store is None or isinstance(exc, PipelineFailure):
+            return
+        message = f"rank {dist.get_rank()} (stage {self.stage_index}): {type(exc).__name__}: {exc}"
+        try:
+            # compare_set writes only if nobody failed before us: the first failure wins.
+            store.compare_set(_FAILURE_KEY, "", message)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _failure(self, exc: PeerError) -> PipelineFailure:
+        store = self._store()
+        first = None
+        if store is not None:
+            try:
+                store.wait([_FAILURE_KEY], datetime.timedelta(seconds=5))
+                first = store.get(_FAILURE_KEY).decode()
+            except Exception:  # noqa: BLE001
+                first = None
+        where = f"rank {dist.get_rank()} (stage {self.stage_index})"
+        if first:
+            return PipelineFailure(f"{where} stops: the pipeline failed at {first}")
+        return PipelineFailure(
+            f"{where} stops: {exc} (no answer within {self.timeout_s:g} s or connection "
+            "closed; that rank failed or hangs)"
+        )
+
+    # -- gradients -------------------------------------------------------------------------
+
+    def _average_data_parallel_gradients(self) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.data_parallel_group)
+        flat /= dist.get_world_size(self.data_parallel_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _resolve_tie(self, tied: tuple[str, str] | None) -> nn.Parameter | None:
+        if tied is None:
+            return None
+        if self.num_stages == 1:
+            return None
+        first_name, last_name = tied
+        name = first_name if self.is_first else last_name if self.is_last else None
+        if name is None:
+            return None
+        params = dict(self.named_parameters())
+        if name not in params:
+            raise ValueError(f"tied parameter {name!r} is not on stage {self.stage_index}")
+        return params[name]
+
+    def _sync_tied_weight(self) -> None:
+        """Start from the first stage's copy of a tied weight."""
+        if self._tied is None:
+            return
+        with torch.no_grad():
+            if self.is_first:
+                self.transport.send_tensor(self._tied.data, self.num_stages - 1)
+                self.transport.finish()
+            else:
+                self.transport.recv_tensor(self._tied.data, 0)
+
+    def _reduce_tied_gradient(self) -> None:
+        """Sum the gradients of the tied weight's two copies; both copies get the sum."""
+        if self._tied is None:
+            return
+        param = self._tied
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        other = torch.empty_like(grad)
+        peer = self.num_stages - 1 if self.is_first else 0
+        if self.is_first:
+            self.transport.send_tensor(grad, peer)
+            self.transport.recv_tensor(other, peer)
+        else:
+            self.transport.recv_tensor(other, peer)
+            self.transport.send_tensor(grad, peer)
+        self.transport.finish()
+        param.grad = grad + other
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip gradients by one norm over all stages' parameters; return that total norm."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if norm_type == float("inf"):
+            local = max((p.grad.abs().max() for p in params), default=torch.zeros(()))  # type: ignore[union-attr]
+            total = local.to(self.device, torch.float64)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
+            for p in params:
+                if self._tied is not None and p is self._tied and not self.is_first:
+                    continue  # count the tied weight once
+                local += p.grad.detach().double().norm(norm_type) ** norm_type  # type: ignore[union-attr]
+            dist.all_reduce(local, group=self.group)
+            total = local ** (1.0 / norm_type)
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                p.grad.detach().mul_(coef)  # type: ignore[union-attr]
+        return total
+
+    # -- timeline --------------------------------------------------------------------------
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        return self.runtime.timeline
+
+    def trace(self, json_path: str | Path, png_path: str | Path | None = None) -> None:
+        """Gather every stage's timeline on the first rank; write Chrome-trace JSON and a PNG.
+
+        Collective: every rank of the pipeline group must call it.
+        """
+        from .trace import write_chrome_trace, write_timeline_png
+
+        events: list[Any] = [None] * self.num_stages
+        local = [(e.stage, e.action, e.start, e.end) for e in self.runtime.timeline]
+        dist.all_gather_object(events, (dist.get_rank(), local), group=self.group)
+        if self.is_first:
+            merged = [TimelineEvent(*e) for _, stage_events in events for e in stage_events]
+            write_chrome_trace(merged, json_path)
+            if png_path is not None:
+                write_timeline_png(merged, png_path, num_stages=self.num_stages)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Write this stage's shard; keys are the original module's names (see load_checkpoint).
+
+        Only the first data-parallel replica writes; all ranks wait until the shards exist.
+        """
+        replica = dist.get_rank(self.data_parallel_group) if self.data_parallel_group else 0
+        if replica == 0:
+            save_checkpoint(self.state_dict(), directory, shard=self.stage_index,
+                            num_shards=self.num_stages)
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Load this stage's parameters from a checkpoint written with any number of stages."""
+        wanted = set(self.state_dict())
+        state = load_checkpoint(directory, keys=wanted)
+        self.load_state_dict(state)
+        self._sync_tied_weight()
+
+
+def _split_tied(module: nn.Sequential, balance: Sequence[int]) -> list[list[tuple[str, nn.Module]]]:
+    """Like split_module but tolerates sharing between the first and last partition only."""
+    named = list(module._modules.items())
+    partitions, start = [], 0
+    for size in balance:
+        partitions.append(named[start : start + size])
+        start += size
+    return partitions  # type: ignore[return-value]
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    from .microbatch import map_tensors
+
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def save_checkpoint(
+    state_dict: dict[str, Tensor], directory: str | Path, *, shard: int = 0, num_shards: int = 1
+) -> None:
+    """Write one shard of a checkpoint: ``shard-{i}-of-{n}.pt`` holding original-name keys."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"shard-{shard:03d}-of-{num_shards:03d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, tmp)
+    os.replace(tmp, path)
+    if shard == 0:
+        (directory / "index.json").write_text(json.dumps({"num_shards": num_shards}))
+
+
+def load_checkpoint(directory: str | Path, *, keys: set[str] | None = None) -> dict[str, Tensor]:
+    """Merge the shards of a checkpoint into one state dict (optionally only ``keys``).
+
+    The result loads into the plain module, into ``GPipe`` and, key by key, into a
+    ``DistributedGPipe`` with any number of stages.
+    """
+    directory = Path(directory)
+    index_path = directory / "index.json"
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{directory} holds no checkpoint (index.json is missing)")
+    num_shards = json.loads(index_path.read_text())["num_shards"]
+    merged: dict[str, Tensor] = {}
+    for shard in range(num_shards):
+        path = directory / f"shard-{shard:03d}-of-{num_shards:03d}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint shard {path} is missing")
+        part = torch.load(path, map_location="cpu", weights_only=True)
+        merged.update({k: v for k, v in part.items() if keys is None or k in keys})
+    if keys is not None and set(keys) - set(merged):
+        raise KeyError(f"checkpoint {directory} lacks {sorted(set(keys) - set(merged))[:5]}")
+    return merged

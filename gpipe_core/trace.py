@@ -1,0 +1,72 @@
+"""Timelines of what each stage ran: Chrome-trace JSON (opens in Perfetto) and a PNG picture."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from .runtime import TimelineEvent
+
+__all__ = ["write_chrome_trace", "write_timeline_png", "bubble_fraction"]
+
+
+def write_chrome_trace(events: Sequence[TimelineEvent], path: str | Path) -> None:
+    """One row (thread) per stage; each action is a complete event in microseconds."""
+    origin = min((e.start for e in events), default=0.0)
+    trace = {
+        "traceEvents": [
+            {
+                "name": e.action,
+                "cat": "forward" if "F" in e.action else "backward",
+                "ph": "X",
+                "pid": 0,
+                "tid": e.stage,
+                "ts": (e.start - origin) * 1e6,
+                "dur": (e.end - e.start) * 1e6,
+            }
+            for e in events
+        ]
+        + [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": stage,
+             "args": {"name": f"stage {stage}"}}
+            for stage in sorted({e.stage for e in events})
+        ],
+        "displayTimeUnit": "ms",
+    }
+    Path(path).write_text(json.dumps(trace))
+
+
+def bubble_fraction(events: Sequence[TimelineEvent], num_stages: int) -> float:
+    """Idle share of the stages' time between the first start and the last end."""
+    if not events:
+        return 0.0
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = sum(e.end - e.start for e in events)
+    return 1.0 - busy / (span * num_stages) if span > 0 else 0.0
+
+
+def write_timeline_png(events: Sequence[TimelineEvent], path: str | Path, *, num_stages: int) -> None:
+    """Draw one row per stage, forwards blue and backwards orange, so the bubble shows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    origin = min((e.start for e in events), default=0.0)
+    fig, ax = plt.subplots(figsize=(10, 0.6 * num_stages + 1.2))
+    for e in events:
+        color = "tab:blue" if "F" in e.action else "tab:orange"
+        ax.broken_barh([((e.start - origin) * 1e3, (e.end - e.start) * 1e3)],
+                       (e.stage - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
+        width_ms = (e.end - e.start) * 1e3
+        ax.text((e.start - origin) * 1e3 + width_ms / 2, e.stage, e.action[1:],
+                ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(num_stages))
+    ax.set_yticklabels([f"stage {s}" for s in range(num_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"pipeline timeline (bubble {bubble_fraction(events, num_stages):.0%})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

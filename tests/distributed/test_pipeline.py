@@ -1,0 +1,362 @@
+"""DistributedGPipe on real gloo processes equals the single-process reference."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import gpipe_core as gp
+from tests.distributed.launch import spawn
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-10
+
+
+class Block(nn.Module):
+    """A residual MLP block passing (x, mask, lengths): floats, bools and integers travel."""
+
+    def __init__(self, width: int, p: float = 0.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        x, mask, lengths = batch
+        y = x + self.dropout(torch.tanh(self.linear(x))) * mask.unsqueeze(-1)
+        return y, mask, lengths + 1
+
+
+class Embed(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, width)
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        x, mask = batch
+        return self.linear(x), mask, mask.sum(-1)
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, 2)
+
+    def forward(self, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        x, mask, lengths = batch
+        pooled = (x * mask.unsqueeze(-1)).sum(1) / lengths.unsqueeze(-1).double()
+        return self.linear(pooled)
+
+
+def build(p: float = 0.0, width: int = 8) -> nn.Sequential:
+    return nn.Sequential(Embed(width), *[Block(width, p) for _ in range(6)], Head(width)).double()
+
+
+def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def make_batch(step: int, n: int = 10) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    length = 4 + step  # the sequence length changes between steps
+    x = torch.randn(n, length, 3, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, length, generator=g) > 0.2
+    mask[:, 0] = True
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    return (x, mask), y
+
+
+def reference(model: nn.Module, chunks: int, steps: int) -> tuple[list[float], dict[str, Tensor]]:
+    """The plain module on the same micro-batches; loss = mean of the micro-batch losses."""
+    losses = []
+    for step in range(steps):
+        (x, mask), y = make_batch(step)
+        pieces = list(zip(x.tensor_split(chunks), mask.tensor_split(chunks), y.tensor_split(chunks), strict=False))
+        pieces = [p for p in pieces if len(p[0])]
+        total = sum(loss_fn(model((xm, mm)), ym) for xm, mm, ym in pieces) / len(pieces)
+        total.backward()
+        losses.append(float(total))
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def run_pipeline(rank: int, world: int, balance: list[int], steps: int) -> list[Any]:
+    results = []
+    for schedule, checkpoint, chunks in itertools.product(
+        ["gpipe", "1f1b"], ["always", "except_last", "never"], [1, 3, 4]
+    ):
+        torch.manual_seed(0)
+        model = build()
+        pipe = gp.DistributedGPipe(
+            copy.deepcopy(model), balance, chunks=chunks, checkpoint=checkpoint,
+            schedule=schedule, loss_fn=loss_fn,
+        )
+        losses = []
+        for step in range(steps):
+            (x, mask), y = make_batch(step)
+            inputs = (x, mask) if pipe.is_first else None
+            targets = y if pipe.is_last else None
+            losses.append(float(pipe.step(inputs, targets)))
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+        results.append(((schedule, checkpoint, chunks), losses, grads))
+    return results
+
+
+@pytest.mark.parametrize("balance", [[3, 5], [2, 2, 2, 2]])
+def test_matches_single_process_reference(tmp_path: Path, balance: list[int]) -> None:
+    steps = 2
+    per_rank = spawn(run_pipeline, len(balance), tmp_path, balance, steps)
+    for case_index in range(len(per_rank[0])):
+        case, _, _ = per_rank[0][case_index]
+        _, _, chunks = case
+        torch.manual_seed(0)
+        ref_losses, ref_grads = reference(build(), chunks, steps)
+        seen: set[str] = set()
+        for rank_results in per_rank:
+            got_case, losses, grads = rank_results[case_index]
+            assert got_case == case
+            assert losses == pytest.approx(ref_losses, abs=TOL), case
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=TOL, msg=f"{case} {name}")
+                seen.add(name)
+        assert seen == set(ref_grads)  # every parameter lives on exactly one rank
+
+
+def run_uneven_and_small(rank: int, world: int) -> list[Any]:
+    out = []
+    for n in (7, 2):  # 7 over 4 micro-batches is uneven; 2 samples give only 2 micro-batches
+        torch.manual_seed(0)
+        pipe = gp.DistributedGPipe(build(), [4, 4], chunks=4, loss_fn=loss_fn)
+        (x, mask), y = make_batch(0, n=n)
+        loss = pipe.step((x, mask), y)
+        out.append((float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()}))
+    return out
+
+
+def test_uneven_and_small_batches(tmp_path: Path) -> None:
+    per_rank = spawn(run_uneven_and_small, 2, tmp_path)
+    for index, n in enumerate((7, 2)):
+        torch.manual_seed(0)
+        model = build()
+        (x, mask), y = make_batch(0, n=n)
+        chunks = min(4, n)
+        pieces = list(zip(x.tensor_split(chunks), mask.tensor_split(chunks), y.tensor_split(chunks), strict=False))
+        total = sum(loss_fn(model((a, b)), c) for a, b, c in pieces) / chunks
+        total.backward()
+        for loss, grads in (r[index] for r in per_rank):
+            assert loss == pytest.approx(float(total), abs=TOL)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad,
+                                           rtol=0, atol=TOL)
+
+
+def run_dropout(rank: int, world: int, balance: list[int]) -> Any:
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(p=0.3), balance, chunks=4, loss_fn=loss_fn, seed=77,
+                               checkpoint="always")
+    (x, mask), y = make_batch(0, n=8)
+    loss = pipe.step((x, mask), y)
+    return float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()}
+
+
+def test_dropout_masks_equal_single_process_gpipe(tmp_path: Path) -> None:
+    per_rank = spawn(run_dropout, 2, tmp_path, [3, 5])
+    torch.manual_seed(0)
+    pipe = gp.GPipe(build(p=0.3), [2, 6], chunks=4, seed=77, checkpoint="never")
+    (x, mask), y = make_batch(0, n=8)
+    out = pipe((x, mask))
+    # Equal micro-batches: the mean of micro-batch losses is the mean over the batch.
+    loss = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(4), y.tensor_split(4), strict=False)) / 4
+    loss.backward()
+    grads = dict(pipe.named_parameters())
+    for got_loss, got in per_rank:
+        assert got_loss == pytest.approx(float(loss), abs=TOL)
+        for name, grad in got.items():
+            torch.testing.assert_close(grad, grads[name].grad, rtol=0, atol=TOL)
+
+
+def run_meta(rank: int, world: int) -> Any:
+    with torch.device("meta"):
+        model = build()
+    pipe = gp.DistributedGPipe(model, [4, 4], chunks=2, loss_fn=loss_fn, seed=5)
+    assert all(not p.is_meta for p in pipe.parameters())
+    (x, mask), y = make_batch(0)
+    pipe.step((x, mask), y)
+    return {k: v.clone() for k, v in pipe.state_dict().items()}, {
+        k: p.grad.clone() for k, p in pipe.named_parameters()
+    }
+
+
+def test_meta_model_materializes_only_the_local_partition(tmp_path: Path) -> None:
+    per_rank = spawn(run_meta, 2, tmp_path)
+    with torch.device("meta"):
+        model = build()
+    gp.materialize(model, seed=5)
+    state = model.state_dict()
+    assert set(per_rank[0][0]).isdisjoint(per_rank[1][0])
+    assert set(per_rank[0][0]) | set(per_rank[1][0]) == set(state)
+    for rank_state, _ in per_rank:
+        for key, value in rank_state.items():
+            assert torch.equal(value, state[key]), key
+    _, ref_grads = reference(model, 2, 1)
+    for _, grads in per_rank:
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[key], rtol=0, atol=TOL)
+
+
+def run_data_parallel(rank: int, world: int) -> Any:
+    pipeline_group, data_group = gp.init_process_groups(2)
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(), [4, 4], chunks=2, loss_fn=loss_fn, group=pipeline_group,
+                               data_parallel_group=data_group)
+    (x, mask), y = make_batch(0, n=8)
+    replica = rank // 2
+    half = slice(replica * 4, replica * 4 + 4)  # each replica takes half of the mini-batch
+    loss = pipe.step((x[half], mask[half]), y[half])
+    return float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()}
+
+
+def test_pipeline_times_data_parallel(tmp_path: Path) -> None:
+    per_rank = spawn(run_data_parallel, 4, tmp_path)
+    torch.manual_seed(0)
+    model = build()
+    (x, mask), y = make_batch(0, n=8)
+    # Reference: 2 replicas x 2 micro-batches = the full batch in 4 equal pieces, averaged.
+    pieces = list(zip(x.tensor_split(4), mask.tensor_split(4), y.tensor_split(4), strict=False))
+    (sum(loss_fn(model((a, b)), c) for a, b, c in pieces) / 4).backward()
+    ref = dict(model.named_parameters())
+    for _, grads in per_rank:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref[name].grad, rtol=0, atol=TOL)
+
+
+def run_checkpoint_save(rank: int, world: int, directory: str, balance: list[int]) -> None:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build()
+    pipe = gp.DistributedGPipe(model, balance, chunks=2, loss_fn=loss_fn, seed=11)
+    pipe.save_checkpoint(directory)
+
+
+def run_checkpoint_load(rank: int, world: int, directory: str, balance: list[int]) -> Any:
+    with torch.device("meta"):
+        model = build()
+    pipe = gp.DistributedGPipe(model, balance, chunks=2, loss_fn=loss_fn, seed=999)
+    pipe.load_checkpoint(directory)
+    return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+def test_checkpoint_from_two_ranks_loads_into_four_gpipe_and_plain(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    spawn(run_checkpoint_save, 2, tmp_path / "save", directory, [4, 4])
+    loaded = spawn(run_checkpoint_load, 4, tmp_path / "load", directory, [2, 2, 2, 2])
+    with torch.device("meta"):
+        expected = build()
+    gp.materialize(expected, seed=11)
+    state = expected.state_dict()
+    merged: dict[str, Tensor] = {}
+    for part in loaded:
+        merged.update(part)
+    assert set(merged) == set(state)
+    for key in state:
+        assert torch.equal(merged[key], state[key])
+    plain = build()
+    plain.load_state_dict(gp.load_checkpoint(directory))
+    pipe = gp.GPipe(build(), [3, 5], chunks=2)
+    pipe.load_state_dict(gp.load_checkpoint(directory))
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, state[key]) and torch.equal(pipe.state_dict()[key], state[key])
+
+
+def run_clip_and_trace(rank: int, world: int, root: str) -> Any:
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(), [4, 4], chunks=4, loss_fn=loss_fn, record=True)
+    (x, mask), y = make_batch(0)
+    pipe.step((x, mask), y)
+    norm = pipe.clip_grad_norm_(1e-3)
+    pipe.trace(f"{root}/trace.json", f"{root}/timeline.png")
+    return float(norm), {k: p.grad.clone() for k, p in pipe.named_parameters()}
+
+
+def test_global_grad_clipping_and_timeline(tmp_path: Path) -> None:
+    per_rank = spawn(run_clip_and_trace, 2, tmp_path, str(tmp_path))
+    torch.manual_seed(0)
+    model = build()
+    _, ref = reference(model, 4, 1)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    for norm, grads in per_rank:
+        assert norm == pytest.approx(float(total), rel=1e-9)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad,
+                                       rtol=0, atol=1e-12)
+    import json
+
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert names == {f"{s}{k}{m}" for s in range(2) for k in "FB" for m in range(4)}
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+class Tied(nn.Module):
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight.t()
+
+
+def build_tied() -> nn.Sequential:
+    first = nn.Linear(4, 4, bias=False)
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), Tied(first.weight)).double()
+
+
+def run_tied(rank: int, world: int) -> Any:
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build_tied(), [2, 3], chunks=2, loss_fn=loss_fn_tied,
+                               tied=("0.weight", "4.weight"))
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pipe.step(x, x)
+    return {k: p.grad.clone() for k, p in pipe.named_parameters()}
+
+
+def loss_fn_tied(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def test_tied_first_and_last_weight(tmp_path: Path) -> None:
+    per_rank = spawn(run_tied, 2, tmp_path)
+    torch.manual_seed(0)
+    model = build_tied()
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (sum(loss_fn_tied(model(a), a) for a in x.tensor_split(2)) / 2).backward()
+    expected = model[0].weight.grad
+    torch.testing.assert_close(per_rank[0]["0.weight"], expected, rtol=0, atol=TOL)
+    torch.testing.assert_close(per_rank[1]["4.weight"], expected, rtol=0, atol=TOL)
+
+
+def run_failing(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(), [2, 2, 4], chunks=2, loss_fn=loss_fn, timeout_s=20)
+    (x, mask), y = make_batch(0)
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    pipe.step((x, mask), y)
+
+
+def test_a_failing_rank_stops_the_others_with_its_name(tmp_path: Path) -> None:
+    import time
+
+    start = time.monotonic()
+    results = spawn(run_failing, 3, tmp_path, timeout_s=90, expect_failure=True)
+    elapsed = time.monotonic() - start
+    assert all(code != 0 for code, _ in results)
+    assert "boom on purpose" in results[1][1]
+    for rank in (0, 2):
+        assert "PipelineFailure" in results[rank][1]
+        assert "rank 1" in results[rank][1]
+    assert elapsed < 60
