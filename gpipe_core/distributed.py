@@ -213,6 +213,15 @@ class DistributedGPipe(nn.Module):
         return dist.get_global_rank(self.group, group_rank)
 
     @property
+    def steps_done(self) -> int:
+        """Steps run so far; part of every layer's random seed, so restore it when resuming."""
+        return self._step
+
+    @steps_done.setter
+    def steps_done(self, value: int) -> None:
+        self._step = int(value)
+
+    @property
     def is_first(self) -> bool:
         return self.stage_index == 0
 

@@ -120,6 +120,15 @@ class GPipe(nn.Module):
         return iter(self._modules.values())  # type: ignore[arg-type]
 
     @property
+    def steps_done(self) -> int:
+        """Forward passes run so far; part of every layer's random seed (restore on resume)."""
+        return self._step
+
+    @steps_done.setter
+    def steps_done(self, value: int) -> None:
+        self._step = int(value)
+
+    @property
     def num_stages(self) -> int:
         return len(self.stages)
 

@@ -104,6 +104,7 @@ def write_split(
     for stale in [*out_dir.glob(f"{split}-*.tar"), *out_dir.glob(f"{split}-*.tar.partial")]:
         stale.unlink()
     counts = [0] * num_classes
+    images_per_shard: dict[int, int] = {}
     pattern = str(out_dir / f"{split}-%06d.tar.partial")
     # USTAR with a fixed integer mtime: no PAX header per member (halves the size of small-image
     # shards) and byte-identical shards when rebuilt
@@ -118,12 +119,20 @@ def write_split(
                 raise ValueError(f"sample key {sample.key!r} must not contain '.'")
             writer.write({"__key__": sample.key, sample.ext: sample.image, "cls": sample.label})
             counts[sample.label] += 1
-    shards = []
-    for partial_path in sorted(out_dir.glob(f"{split}-*.tar.partial")):
+            shard_index = writer.shard - 1  # ShardWriter has already advanced to the next name
+            images_per_shard[shard_index] = images_per_shard.get(shard_index, 0) + 1
+    shards, shard_bytes = [], []
+    for index in sorted(images_per_shard):
+        partial_path = Path(pattern % index)
         final = partial_path.with_suffix("")  # drop ".partial"
         partial_path.rename(final)
         shards.append(final.name)
-    return {"images": sum(counts), "shards": shards, "class_counts": counts}
+        shard_bytes.append(final.stat().st_size)
+    # per-shard sizes and counts let the reader detect truncated or damaged shards, which
+    # Python's tarfile would otherwise read as a shorter archive without any error
+    return {"images": sum(counts), "class_counts": counts, "shards": shards,
+            "shard_images": [images_per_shard[i] for i in sorted(images_per_shard)],
+            "shard_bytes": shard_bytes}
 
 
 def write_dataset_json(
@@ -191,15 +200,24 @@ def read_dataset_info(config: AmoebaNetConfig) -> dict[str, Any] | None:
     return info
 
 
-def shard_urls(config: AmoebaNetConfig, split: str) -> list[str]:
-    """Paths of the split's shards (sorted); a clear error when the split is missing."""
+@dataclass(frozen=True)
+class ShardInfo:
+    """A shard's path and, when dataset.json records them, its size in bytes and images."""
+
+    url: str
+    num_bytes: int | None = None
+    num_images: int | None = None
+
+
+def shard_infos(config: AmoebaNetConfig, split: str) -> list[ShardInfo]:
+    """The split's shards in order; a clear error when the dataset or the split is missing."""
     data_dir = Path(config.data_dir)
     info = read_dataset_info(config)
     if info is None:
         paths = sorted(data_dir.glob(f"{split}-*.tar"))
         if not paths:
             raise _missing(config, f"no {split}-*.tar shards and no {DATASET_JSON} in {data_dir}")
-        return [str(p) for p in paths]
+        return [ShardInfo(str(p)) for p in paths]
     splits = info.get("splits", {})
     if split not in splits:
         raise _missing(config, f"split {split!r} not in {data_dir / DATASET_JSON} "
@@ -210,11 +228,19 @@ def shard_urls(config: AmoebaNetConfig, split: str) -> list[str]:
             f"{data_dir / DATASET_JSON} has {len(classes)} classes but num_classes="
             f"{config.num_classes}; set --num_classes={len(classes)}"
         )
-    paths = [data_dir / shard for shard in splits[split]["shards"]]
+    entry = splits[split]
+    paths = [data_dir / shard for shard in entry["shards"]]
     absent = [str(p) for p in paths if not p.is_file()]
     if absent:
         raise _missing(config, f"shard(s) {absent} listed in {DATASET_JSON} are missing")
-    return [str(p) for p in paths]
+    num_bytes = entry.get("shard_bytes") or [None] * len(paths)
+    num_images = entry.get("shard_images") or [None] * len(paths)
+    return [ShardInfo(str(p), b, n) for p, b, n in zip(paths, num_bytes, num_images, strict=True)]
+
+
+def shard_urls(config: AmoebaNetConfig, split: str) -> list[str]:
+    """Paths of the split's shards, in order."""
+    return [info.url for info in shard_infos(config, split)]
 
 
 def num_images(config: AmoebaNetConfig, split: str) -> int | None:
@@ -241,17 +267,17 @@ class ShardErrorHandler:
 
     def __call__(self, exn: BaseException) -> bool:
         if isinstance(exn, CorruptShardError):
-            raise exn
+            if not self.skip:
+                raise exn
+            warnings.warn(f"{exn}; skipping (skip_corrupt_shards=true)", stacklevel=2)
+            return True
         shard = _shard_of(exn)
         message = f"corrupt shard {shard}: {type(exn).__name__}: {exn.args[0] if exn.args else exn}"
         if self.skip:
             warnings.warn(f"{message}; skipping the rest of it (skip_corrupt_shards=true)",
                           stacklevel=2)
             return True
-        raise CorruptShardError(
-            f"{message}; rebuild the dataset (rerun its prepare command with --force) or set "
-            f"--skip_corrupt_shards=true to skip unreadable shards"
-        ) from exn
+        raise CorruptShardError(f"{message}; {_fix_hint()}") from exn
 
 
 class DecodeSample:
@@ -266,7 +292,9 @@ class DecodeSample:
         shard = sample.get("__url__", "<unknown shard>")
         key = sample.get("__key__")
         try:
-            ext = next(e for e in IMAGE_EXTENSIONS if e in sample)
+            ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
+            if ext is None:
+                raise ValueError(f"no image member (one of {', '.join(IMAGE_EXTENSIONS)})")
             with Image.open(io.BytesIO(sample[ext])) as image:
                 pixels = image.convert(self.mode)
             label = int(sample["cls"])
@@ -280,6 +308,53 @@ class DecodeSample:
                 f"{message}; rebuild the dataset or set --skip_corrupt_shards=true"
             ) from exn
         return self.transform(pixels), label
+
+
+def _fix_hint() -> str:
+    return ("rebuild the dataset (rerun its prepare command with --force) or set "
+            "--skip_corrupt_shards=true to skip unreadable shards")
+
+
+def check_shard_sizes(shards: list[ShardInfo], handler: ShardErrorHandler) -> list[ShardInfo]:
+    """Drop (or stop at) shards whose size on disk differs from dataset.json's record."""
+    kept = []
+    for shard in shards:
+        size = Path(shard.url).stat().st_size
+        if shard.num_bytes is not None and size != shard.num_bytes:
+            handler(CorruptShardError(
+                f"corrupt shard {shard.url}: {size} bytes on disk, {shard.num_bytes} when "
+                f"written (truncated or overwritten); {_fix_hint()}"))
+            continue
+        kept.append(shard)
+    return kept
+
+
+class CountSamplesPerShard:
+    """Pipeline stage: check each shard yields as many samples as it was written with.
+
+    Python's tarfile ends a stream quietly at a damaged header, so a broken shard can look like
+    a shorter one; counting catches that. Runs per worker, on whole shards, before shuffling.
+    """
+
+    def __init__(self, expected: dict[str, int], handler: ShardErrorHandler) -> None:
+        self.expected = expected
+        self.handler = handler
+
+    def _check(self, url: str | None, count: int) -> None:
+        want = self.expected.get(url) if url is not None else None
+        if want is not None and count != want:
+            self.handler(CorruptShardError(
+                f"corrupt shard {url}: read {count} samples, {want} when written; {_fix_hint()}"))
+
+    def __call__(self, samples: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        url, count = None, 0
+        for sample in samples:
+            if sample.get("__url__") != url:
+                self._check(url, count)
+                url, count = sample.get("__url__"), 0
+            count += 1
+            yield sample
+        self._check(url, count)
 
 
 def _drop_none(samples: Iterable[Any]) -> Iterator[Any]:
@@ -367,16 +442,18 @@ def image_pipeline(
     dp_size: int = 1,
 ) -> wds.DataPipeline:
     """The webdataset pipeline yielding batches; see ``build_train_loader``."""
-    urls = shard_urls(config, split)
+    handler = ShardErrorHandler(skip=config.skip_corrupt_shards)
+    shards = check_shard_sizes(shard_infos(config, split), handler)
     if training:
-        random.Random(f"shards-{config.seed}-{epoch}").shuffle(urls)
+        random.Random(f"shards-{config.seed}-{epoch}").shuffle(shards)
     if dp_size > 1:
         # data-parallel replicas read disjoint shards (the same shuffled list on every rank)
-        if len(urls) < dp_size:
-            raise ValueError(f"{len(urls)} shard(s) of split {split!r} cannot feed "
+        if len(shards) < dp_size:
+            raise ValueError(f"{len(shards)} shard(s) of split {split!r} cannot feed "
                              f"{dp_size} data-parallel replicas; write more, smaller shards")
-        urls = urls[dp_rank::dp_size]
-    handler = ShardErrorHandler(skip=config.skip_corrupt_shards)
+        shards = shards[dp_rank::dp_size]
+    urls = [shard.url for shard in shards]
+    expected = {s.url: s.num_images for s in shards if s.num_images is not None}
     mode = "L" if config.in_chans == 1 else "RGB"
     decode = DecodeSample(build_transform(config, training=training), mode,
                           skip=config.skip_corrupt_shards)
@@ -384,6 +461,7 @@ def image_pipeline(
         wds.SimpleShardList(urls),
         wds.split_by_worker,  # each worker reads whole, distinct shards
         wds.tarfile_to_samples(handler=handler),
+        CountSamplesPerShard(expected, handler),
     ]
     if training and config.shuffle_buffer > 1:
         stages.append(wds.shuffle(config.shuffle_buffer, initial=config.shuffle_buffer,
