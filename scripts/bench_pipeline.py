@@ -1,0 +1,227 @@
+"""DistributedGPipe against the plain module and torch.distributed.pipelining, side by side.
+
+One run, one model, one batch, one thread per process: the plain module in this process, then
+two gloo processes (K=2) running, for M = 1, 2, 4, 8, 16, our ``DistributedGPipe`` (fill-drain
+and 1F1B) and ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each
+row: median seconds per training step, speedup over the plain one-thread run, efficiency
+against the ideal pipeline (the plain module run on the same M micro-batches, divided by
+K*M/(M+K-1)), and each rank's peak resident memory. Writes JSON and a PNG of speedup vs M.
+
+    python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+import gpipe_core as gp
+
+K = 2
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block (the feed-forward half of a Transformer layer)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def build(blocks: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(width) for _ in range(blocks)])
+
+
+def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def data(args: argparse.Namespace) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.seq, args.width, generator=g)
+    return x, torch.randn(args.batch, args.seq, args.width, generator=g)
+
+
+def timed(fn: Any, steps: int, warmup: int = 2, sync: bool = False) -> float:
+    times = []
+    for i in range(warmup + steps):
+        if sync:
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        if sync:  # a step lasts as long as its slowest rank
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def plain_times(args: argparse.Namespace) -> dict[str, float]:
+    """One-thread plain module: on the whole batch, and on M micro-batches in a row."""
+    model = build(args.blocks, args.width)
+    x, y = data(args)
+
+    def whole() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    result = {"whole": timed(whole, args.steps)}
+    for m in args.microbatches:
+        def chunked(m: int = m) -> None:
+            model.zero_grad(set_to_none=True)
+            for xm, ym in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+                (loss_fn(model(xm), ym) / m).backward()
+
+        result[str(m)] = timed(chunked, args.steps)
+    return result
+
+
+def worker(rank: int, args: argparse.Namespace, root: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
+                            world_size=K, timeout=datetime.timedelta(seconds=120))
+    x, y = data(args)
+    balance = [args.blocks // 2, args.blocks - args.blocks // 2]
+    rows = []
+    for m in args.microbatches:
+        for impl, schedule in (("gpipe_core", "gpipe"), ("gpipe_core", "1f1b"),
+                               ("torch.pipelining", "gpipe"), ("torch.pipelining", "1f1b")):
+            model = build(args.blocks, args.width)
+            step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint)
+            if step is None:
+                continue
+            seconds = timed(step, args.steps, sync=True)
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            peaks = [None, None]
+            dist.all_gather_object(peaks, peak_mb)
+            rows.append({"impl": impl, "schedule": schedule, "M": m, "seconds": seconds,
+                         "peak_rss_mb_per_rank": peaks})
+    if rank == 0:
+        Path(root, "rows.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int], m: int,
+              rank: int, x: Tensor, y: Tensor, checkpoint: str) -> Any:
+    if impl == "gpipe_core":
+        pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
+                                   checkpoint=checkpoint, loss_fn=loss_fn)
+
+        def ours() -> None:
+            pipe.zero_grad(set_to_none=True)
+            pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+
+        return ours
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    start = sum(balance[:rank])
+    submodule = nn.Sequential(*list(model)[start : start + balance[rank]])
+    stage = PipelineStage(submodule, rank, K, torch.device("cpu"))
+    factory = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    try:
+        sched = factory(stage, n_microbatches=m, loss_fn=loss_fn)
+    except (ValueError, RuntimeError):
+        return None  # e.g. 1F1B refusing fewer micro-batches than stages
+
+    def theirs() -> None:
+        submodule.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=[])
+
+    return theirs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--checkpoint", default="never",
+                        help="gpipe_core re-materialization (torch.pipelining has none)")
+    parser.add_argument("--out", default="out/bench_pipeline")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    plain = plain_times(args)
+    with tempfile.TemporaryDirectory() as root:
+        mp.start_processes(worker, args=(args, root), nprocs=K, start_method="spawn")
+        rows = json.loads(Path(root, "rows.json").read_text())
+    for row in rows:
+        m = row["M"]
+        ideal = plain[str(m)] * (m + K - 1) / (K * m)
+        row["speedup"] = plain["whole"] / row["seconds"]
+        row["efficiency"] = ideal / row["seconds"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"config": vars(args), "plain_seconds": plain, "rows": rows}
+    (out / "bench_pipeline.json").write_text(json.dumps(report, indent=1))
+    print(f"plain module, 1 thread: {plain['whole']:.4f} s/step "
+          f"({args.blocks} blocks, d={args.width}, batch {args.batch}x{args.seq})")
+    print(f"{'impl':<18}{'schedule':<9}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}"
+          f"{'peak RSS MB/rank':>20}")
+    for r in rows:
+        peaks = "/".join(f"{p:.0f}" for p in r["peak_rss_mb_per_rank"])
+        print(f"{r['impl']:<18}{r['schedule']:<9}{r['M']:>3}{r['seconds']:>9.4f}"
+              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{peaks:>20}")
+    for m in args.microbatches:
+        ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
+        theirs = {r["schedule"]: r["seconds"] for r in rows
+                  if r["M"] == m and r["impl"] == "torch.pipelining"}
+        ratios = ", ".join(f"{s}: {theirs[s] / ours[s]:.2f}x" for s in ours if s in theirs)
+        print(f"M={m}: torch.pipelining time / gpipe_core time: {ratios}")
+    plot(rows, out / "bench_pipeline.png")
+    print(f"wrote {out}/bench_pipeline.json and bench_pipeline.png")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in ("gpipe_core", "torch.pipelining"):
+        for schedule, style in (("gpipe", "-o"), ("1f1b", "--s")):
+            sel = [r for r in rows if r["impl"] == impl and r["schedule"] == schedule]
+            if sel:
+                ax.plot([r["M"] for r in sel], [r["speedup"] for r in sel], style,
+                        label=f"{impl} {schedule}")
+    ms = sorted({r["M"] for r in rows})
+    ax.plot(ms, [K * m / (m + K - 1) for m in ms], ":", color="gray", label="ideal K*M/(M+K-1)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("speedup over plain (1 thread)")
+    ax.set_title(f"K={K} pipeline on CPU (gloo)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
