@@ -194,7 +194,12 @@ def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[s
         )
     wanted = set(languages)
     blocks: dict[str, list[dict[str, Any]]] = {lang: [] for lang in languages}
-    dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode()
+    # Every process reads the whole split (under torchrun too: each rank draws the same batches
+    # from it by seed), so no node or worker splitting; webdataset's default node splitter
+    # raises as soon as torch.distributed is initialised with more than one rank.
+    dataset = wds.WebDataset(
+        urls, shardshuffle=False, empty_check=False, nodesplitter=None, workersplitter=None
+    ).decode()
     for sample in dataset:
         lang = sample["lang.txt"]
         if lang in wanted:

@@ -1,0 +1,372 @@
+"""BLEU evaluation of the NMT model: beam search, sacrebleu per language and resource bucket."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from apps.nmt.config import NMTConfig, build_model
+from apps.nmt.data import (
+    RESOURCE_BUCKETS,
+    CorpusError,
+    Tokenizer,
+    eval_batches,
+    language_counts,
+    resource_buckets,
+)
+from apps.nmt.search import beam_search
+
+__all__ = [
+    "Sentence",
+    "CheckpointError",
+    "evaluate",
+    "format_report",
+    "load_eval_sentences",
+    "load_model",
+    "resolve_checkpoint",
+    "score",
+    "translate",
+    "train_languages",
+]
+
+Report = dict[str, Any]
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint that is missing or does not fit the corpus; the message says the fix."""
+
+
+@dataclass
+class Sentence:
+    """One evaluation pair: its language, source ids (tag first), raw source and reference."""
+
+    lang: str
+    src_ids: list[int]
+    source: str
+    reference: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory behind ``path``: a run's out_dir (its ``latest``) or a step dir."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not (path / "index.json").is_file():
+        raise CheckpointError(
+            f"no checkpoint at {path} (neither {path / 'latest'} nor {path / 'index.json'} "
+            "exists); train one with `python -m torch.distributed.run --standalone "
+            f"--nproc-per-node 2 -m apps.nmt.train --out_dir={path}`"
+        )
+    return path
+
+
+def load_model(config: NMTConfig, checkpoint_dir: str | Path, device: torch.device) -> nn.Sequential:
+    """The plain ``nn.Sequential`` of ``config`` with the weights of a (sharded) checkpoint."""
+    import gpipe_core as gp
+
+    model = build_model(config, device="meta")
+    state = gp.load_checkpoint(checkpoint_dir)
+    model.load_state_dict(state, assign=True)
+    return model.to(device).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def train_languages(config: NMTConfig) -> list[str]:
+    """The languages a run of ``config`` trains on: its ``languages``, or all with train data."""
+    counts = language_counts(config.data_dir, "train")
+    if config.languages:
+        return list(config.languages)
+    return sorted(lang for lang, n in counts.items() if n > 0)
+
+
+def load_eval_sentences(
+    data_dir: str | Path,
+    split: str,
+    languages: Sequence[str],
+    *,
+    max_per_lang: int | None,
+    pad_id: int,
+    strict: bool = True,
+) -> tuple[list[Sentence], list[str]]:
+    """The first ``max_per_lang`` pairs of each language of ``split``; returns (pairs, skipped).
+
+    ``strict``: a language without ``split`` data is an error (naming the languages that have
+    data); otherwise it is skipped and returned in ``skipped``.
+    """
+    counts = language_counts(data_dir, split)
+    skipped = [lang for lang in languages if counts.get(lang, 0) == 0]
+    if skipped and strict:
+        have = " ".join(sorted(lang for lang, n in counts.items() if n > 0))
+        raise CorpusError(
+            f"no {split} data for language(s) {skipped} in {data_dir}; "
+            f"languages with {split} data: {have}"
+        )
+    chosen = [lang for lang in languages if lang not in skipped]
+    if not chosen:
+        raise CorpusError(f"none of the languages {list(languages)} has {split} data in {data_dir}")
+    sentences: list[Sentence] = []
+    # one batch per pair would be slow; big batches, then unpadded rows
+    for batch in eval_batches(
+        data_dir, split, max_tokens=1 << 16, languages=chosen, max_per_lang=max_per_lang
+    ):
+        assert batch.sources is not None and batch.references is not None
+        for row in range(len(batch)):
+            ids = batch.src[row]
+            sentences.append(
+                Sentence(
+                    batch.langs[row],
+                    ids[ids.ne(pad_id)].tolist(),
+                    batch.sources[row],
+                    batch.references[row],
+                )
+            )
+    return sentences, skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Translation
+
+
+def _batches_by_length(
+    sentences: Sequence[Sentence], *, max_src_tokens: int, max_sentences: int
+) -> list[list[int]]:
+    """Indices of ``sentences`` grouped into batches of similar source length (little padding)."""
+    order = sorted(range(len(sentences)), key=lambda i: (len(sentences[i].src_ids), i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        width = len(sentences[index].src_ids)
+        if current and (
+            len(current) >= max_sentences or (len(current) + 1) * width > max_src_tokens
+        ):
+            groups.append(current)
+            current = []
+        current.append(index)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> Tensor:
+    width = max(len(row) for row in rows)
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out.to(device)
+
+
+def translate(
+    model: nn.Sequential,
+    sentences: Sequence[Sentence],
+    tokenizer: Tokenizer,
+    *,
+    beam_size: int,
+    alpha: float,
+    max_decode_len: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    max_src_tokens: int = 2048,
+    max_sentences: int = 64,
+) -> list[str] | None:
+    """Detokenized beam-search translations of ``sentences`` (in their order).
+
+    With ``world_size > 1`` (torch.distributed initialised) every rank translates every
+    ``world_size``-th length-sorted batch and rank 0 gathers the results; other ranks get None.
+    Output length is bounded by ``max_decode_len`` and by twice the source length plus 8.
+    """
+    groups = _batches_by_length(
+        sentences, max_src_tokens=max_src_tokens, max_sentences=max_sentences
+    )
+    mine: dict[int, str] = {}
+    for group in groups[rank::world_size]:
+        src = _pad([sentences[i].src_ids for i in group], tokenizer.pad_id, device)
+        max_len = min(max_decode_len, 2 * src.shape[1] + 8)
+        ids = beam_search(
+            model,
+            src,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            beam_size=beam_size,
+            alpha=alpha,
+            max_len=max_len,
+        )
+        for index, hypothesis in zip(group, ids, strict=True):
+            mine[index] = tokenizer.decode(hypothesis)
+    if world_size > 1:
+        gathered: list[dict[int, str] | None] = [None] * world_size
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        if rank != 0:
+            return None
+        for part in gathered:
+            assert part is not None
+            mine.update(part)
+    return [mine[i] for i in range(len(sentences))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores
+
+
+def score(
+    sentences: Sequence[Sentence],
+    hypotheses: Sequence[str],
+    buckets: Mapping[str, str],
+    train_counts: Mapping[str, int],
+) -> Report:
+    """Corpus BLEU and chrF (sacrebleu) per language, beside copying the source, and their
+    means over the resource buckets (``resource_buckets`` of the trained languages)."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    bleu, chrf = BLEU(), CHRF()
+    by_lang: dict[str, list[int]] = {}
+    for index, sentence in enumerate(sentences):
+        by_lang.setdefault(sentence.lang, []).append(index)
+    languages: dict[str, dict[str, Any]] = {}
+    for lang, rows in sorted(by_lang.items(), key=lambda kv: (-train_counts.get(kv[0], 0), kv[0])):
+        refs = [[sentences[i].reference for i in rows]]
+        hyps = [hypotheses[i] for i in rows]
+        copies = [sentences[i].source for i in rows]
+        languages[lang] = {
+            "bucket": buckets.get(lang, "untrained"),
+            "train_pairs": int(train_counts.get(lang, 0)),
+            "sentences": len(rows),
+            "bleu": bleu.corpus_score(hyps, refs).score,
+            "chrf": chrf.corpus_score(hyps, refs).score,
+            "copy_bleu": bleu.corpus_score(copies, refs).score,
+            "copy_chrf": chrf.corpus_score(copies, refs).score,
+            "example": {
+                "source": copies[0],
+                "reference": refs[0][0],
+                "hypothesis": hyps[0],
+            },
+        }
+    bucket_report: dict[str, dict[str, Any]] = {}
+    for bucket in (*RESOURCE_BUCKETS, "untrained"):
+        rows_ = [v for v in languages.values() if v["bucket"] == bucket]
+        if not rows_:
+            continue
+        bucket_report[bucket] = {
+            "languages": len(rows_),
+            "sentences": sum(v["sentences"] for v in rows_),
+            **{
+                key: sum(v[key] for v in rows_) / len(rows_)
+                for key in ("bleu", "copy_bleu", "chrf", "copy_chrf")
+            },
+        }
+    return {
+        "signature": {"bleu": str(bleu.get_signature()), "chrf": str(chrf.get_signature())},
+        "languages": languages,
+        "buckets": bucket_report,
+        "sentences": len(sentences),
+    }
+
+
+def evaluate(
+    model: nn.Sequential,
+    config: NMTConfig,
+    tokenizer: Tokenizer,
+    *,
+    split: str = "dev",
+    languages: Sequence[str] | None = None,
+    max_per_lang: int | None = None,
+    beam_size: int | None = None,
+    alpha: float | None = None,
+    device: torch.device | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Report | None:
+    """Translate ``split`` and score it; the report on rank 0, None on other ranks.
+
+    ``languages`` None evaluates the trained languages that have ``split`` data (others are
+    listed under ``skipped``); given explicitly, a language without data is an error.
+    Buckets are terciles of the training-set sizes of the trained languages.
+    """
+    started = time.monotonic()
+    trained = train_languages(config)
+    train_counts = language_counts(config.data_dir, "train")
+    buckets = resource_buckets({lang: train_counts.get(lang, 0) for lang in trained})
+    sentences, skipped = load_eval_sentences(
+        config.data_dir,
+        split,
+        list(languages) if languages else trained,
+        max_per_lang=max_per_lang,
+        pad_id=tokenizer.pad_id,
+        strict=bool(languages),
+    )
+    device = device or next(model.parameters()).device
+    hypotheses = translate(
+        model,
+        sentences,
+        tokenizer,
+        beam_size=beam_size or config.beam_size,
+        alpha=config.length_penalty if alpha is None else alpha,
+        max_decode_len=config.max_decode_len,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+    )
+    if hypotheses is None:
+        return None
+    report = score(sentences, hypotheses, buckets, train_counts)
+    report.update(
+        split=split,
+        skipped=skipped,
+        beam_size=beam_size or config.beam_size,
+        alpha=config.length_penalty if alpha is None else alpha,
+        max_per_lang=max_per_lang,
+        tokenizer=tokenizer.fingerprint,
+        seconds=round(time.monotonic() - started, 1),
+    )
+    return report
+
+
+def format_report(report: Report, *, examples: int = 3) -> str:
+    """A table: BLEU and chrF per resource bucket beside copying the source, then per language."""
+    lines = [
+        f"{report['split']} BLEU over {report['sentences']} sentences "
+        f"(beam {report['beam_size']}, alpha {report['alpha']}, {report['seconds']} s)",
+        f"{'bucket':<10}{'langs':>6}{'sents':>7}{'BLEU':>8}{'copy BLEU':>11}"
+        f"{'chrF':>8}{'copy chrF':>11}",
+    ]
+    for bucket, row in report["buckets"].items():
+        lines.append(
+            f"{bucket:<10}{row['languages']:>6}{row['sentences']:>7}{row['bleu']:>8.2f}"
+            f"{row['copy_bleu']:>11.2f}{row['chrf']:>8.2f}{row['copy_chrf']:>11.2f}"
+        )
+    lines.append("per language (largest training set first):")
+    for lang, row in report["languages"].items():
+        lines.append(
+            f"  {lang:<8}{row['bucket']:<8}{row['train_pairs']:>8}{row['sentences']:>7}"
+            f"{row['bleu']:>8.2f}{row['copy_bleu']:>11.2f}{row['chrf']:>8.2f}"
+            f"{row['copy_chrf']:>11.2f}"
+        )
+    if report.get("skipped"):
+        lines.append(f"skipped (no {report['split']} data): {' '.join(report['skipped'])}")
+    for lang, row in list(report["languages"].items())[:examples]:
+        ex = row["example"]
+        lines.append(f"  [{lang}] {ex['source']!r}\n     ref {ex['reference']!r}\n"
+                     f"     hyp {ex['hypothesis']!r}")
+    lines.append(f"sacrebleu {report['signature']['bleu']} | {report['signature']['chrf']}")
+    return "\n".join(lines)
+
+
+def write_report(report: Report, path: str | Path) -> None:
+    """The report as JSON (non-ASCII text kept readable)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")

@@ -1,0 +1,512 @@
+"""Train the many-to-English Transformer with DistributedGPipe under torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m apps.nmt.train \
+        [--config=apps/nmt/configs/cpu_default.yaml] [--key=value ...] [--resume]
+
+Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final BLEU.
+The world is ``num_stages`` pipeline ranks times R data-parallel replicas (pipeline-major: ranks
+``r*K ... r*K+K-1`` are replica r). Every rank builds the same stream of batches from the same
+seed; each optimizer step draws R batches and replica r trains on the r-th, so every rank can
+count the target tokens of the whole step (the loss normaliser) without communication.
+
+``out_dir`` holds ``step-NNNNNNN/`` checkpoints (model shards keyed by the original module
+names, per-rank optimizer / data-stream / step state, the resolved ``config.yaml`` and the
+tokenizer fingerprint), a ``latest`` pointer, ``log.jsonl`` (one line per step) and the final
+``dev_bleu.json``. ``--resume`` continues from ``latest`` exactly: the same batches, dropout
+masks, learning rates and optimizer moments as a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import gpipe_core as gp
+from apps.config import ConfigError, save_config
+from apps.nmt.config import NMTConfig, build_model, load_nmt_config, model_kwargs, replace
+from apps.nmt.data import Batch, TrainBatches, load_manifest, load_tokenizer
+from apps.nmt.evaluate import (
+    evaluate,
+    format_report,
+    load_model,
+    resolve_checkpoint,
+    write_report,
+)
+from apps.nmt.model import activation_stats, token_cross_entropy_sum
+
+KEEP_CHECKPOINTS = 2  # step directories kept in out_dir (the newest ones)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers (the loop below reads top to bottom; these keep it short)
+
+
+def learning_rate(config: NMTConfig, step: int) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then ``lr * sqrt(warmup / step)``
+    (``inverse_sqrt``) or ``lr`` (``constant``). ``step`` counts from 0."""
+    s = step + 1
+    warm = config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr * min(1.0, s / warm) if warm else config.lr
+    if warm == 0:
+        return config.lr / math.sqrt(s)
+    return config.lr * min(s / warm, math.sqrt(warm / s))
+
+
+def make_optimizer(config: NMTConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay; plain Adam when it is 0) or torch's Adafactor."""
+    if config.optimizer == "adafactor":
+        return torch.optim.Adafactor(params, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=1e-9,
+        weight_decay=config.weight_decay,
+    )
+
+
+def prepare_corpus(config: NMTConfig) -> None:
+    """Build the corpus under ``data_dir`` unless it is there with the config's settings.
+
+    A corpus prepared there with other settings (languages, packages, vocabulary) is an error
+    rather than silently rebuilt: another run may be using it. ``packages: none`` uses the
+    corpus found in ``data_dir`` as it is (e.g. one prepared from your own TSV files).
+    """
+    from data.gettext_m2en.prepare import PrepareError, prepare, resolve_packages
+
+    if config.packages == "none":
+        load_manifest(config.data_dir)  # a CorpusError naming the prepare command if missing
+        return
+    languages = sorted(config.languages) if config.languages else None
+    manifest_path = Path(config.data_dir) / "manifest.json"
+    if manifest_path.exists():
+        built = json.loads(manifest_path.read_text()).get("config", {})
+        wanted = {
+            "packages": list(resolve_packages(config.packages)),
+            "languages": languages,
+            "vocab_size": config.vocab_size,
+        }
+        differ = {k: (built.get(k), v) for k, v in wanted.items() if built.get(k) != v}
+        if differ:
+            raise ConfigError(
+                f"the corpus in data_dir={config.data_dir} was prepared with other settings "
+                f"(prepared, wanted): {differ}; pass --data_dir=<another directory> (or delete "
+                f"{config.data_dir} to rebuild it)"
+            )
+    try:
+        prepare(
+            config.data_dir,
+            packages=config.packages,
+            languages=languages,
+            vocab_size=config.vocab_size,
+            seed=config.seed,
+            num_threads=max(1, os.cpu_count() or 1),
+        )
+    except PrepareError as error:
+        raise SystemExit(f"error: corpus preparation failed: {error}") from error
+
+
+def count_tokens(batch: Batch, pad_id: int) -> tuple[int, int]:
+    """Non-padding (source, target) tokens of a batch; target includes EOS."""
+    return int(batch.src.ne(pad_id).sum()), int(batch.tgt_out.ne(pad_id).sum())
+
+
+def checkpoint_dir(out_dir: Path, step: int) -> Path:
+    return out_dir / f"step-{step:07d}"
+
+
+def model_config_differs(saved: NMTConfig, config: NMTConfig) -> dict[str, tuple[Any, Any]]:
+    """Fields that shape the model or the data stream and differ between two configs."""
+    keys = [*model_kwargs(config), "seed", "max_tokens", "max_len", "sampling_temperature",
+            "languages", "data_dir", "num_stages", "chunks", "optimizer"]
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(config)
+    return {k: (old[k], new[k]) for k in keys if old[k] != new[k]}
+
+
+class Logger:
+    """Rank 0's sinks: ``log.jsonl`` (one line per step), wandb, and printed lines."""
+
+    def __init__(self, config: NMTConfig, out_dir: Path, resume_step: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.run: Any = None
+        if not enabled:
+            return
+        self.path = out_dir / "log.jsonl"
+        if resume_step and self.path.exists():  # drop lines a crashed run wrote after its checkpoint
+            kept = [
+                line for line in self.path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= resume_step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.file = self.path.open("a")
+        mode = config.wandb_mode
+        if mode == "offline" and os.environ.get("WANDB_API_KEY"):
+            mode = "online"  # a key means the user wants the run online
+        if mode != "disabled":
+            try:
+                import wandb
+
+                self.run = wandb.init(
+                    project=config.wandb_project,
+                    config=dataclasses.asdict(config),
+                    dir=str(out_dir),
+                    mode=mode,
+                    resume="allow",
+                    id=_wandb_id(out_dir),
+                )
+            except Exception as error:  # noqa: BLE001 - logging must not stop training
+                print(f"warning: wandb disabled ({type(error).__name__}: {error})", file=sys.stderr)
+                self.run = None
+
+    def step(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def metrics(self, metrics: dict[str, Any], step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.run is not None:
+                self.run.finish()
+
+
+def _wandb_id(out_dir: Path) -> str:
+    """One wandb run id per out_dir, so a resumed run continues the same wandb run."""
+    path = out_dir / "wandb_id"
+    if not path.exists():
+        import secrets
+
+        path.write_text(secrets.token_hex(4))
+    return path.read_text().strip()
+
+
+def stage_stats(pipe: gp.DistributedGPipe) -> dict[str, float]:
+    """This stage's largest |activation| (and |logit| on the last stage) since the last read;
+    every rank gathers all stages' values (collective over the world)."""
+    local = activation_stats(pipe)
+    mine: dict[str, float] = {}
+    acts = [v for k, v in local.items() if k.endswith("max_abs_activation")]
+    if acts:
+        mine[f"stage{pipe.stage_index}/max_abs_activation"] = max(acts)
+    logits = [v for k, v in local.items() if k.endswith("max_abs_logit")]
+    if logits:
+        mine["max_abs_logit"] = max(logits)
+    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged: dict[str, float] = {}
+    for part in gathered:
+        for key, value in (part or {}).items():
+            merged[key] = max(value, merged.get(key, -math.inf))
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """Train; returns rank 0's summary (final dev BLEU report included), None on other ranks."""
+    started = time.monotonic()
+
+    # --- config ---------------------------------------------------------------------------
+    config = load_nmt_config(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(config.num_threads)
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    # generous: rank 0 may prepare the corpus or evaluate while the others wait at a barrier
+    pipeline_group, data_group = gp.init_process_groups(
+        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=3600
+    )
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    num_replicas = world_size // config.num_stages
+    replica = rank // config.num_stages
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    master = rank == 0
+    out_dir = Path(config.out_dir)
+    say = print if master else (lambda *args, **kwargs: None)
+
+    # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------
+    if master:
+        prepare_corpus(config)
+    dist.barrier()
+    tokenizer = load_tokenizer(config.data_dir)
+    manifest = load_manifest(config.data_dir)
+    if tokenizer.vocab_size != config.vocab_size:
+        # vocab_size is a soft limit for prepare on a small corpus: size the model to the real one
+        say(f"tokenizer has {tokenizer.vocab_size} pieces (asked {config.vocab_size}); using it")
+        config = replace(config, vocab_size=tokenizer.vocab_size)
+    special = {k: manifest[k] for k in ("pad_id", "unk_id", "bos_id", "eos_id")}
+    if special != {k: getattr(config, k) for k in special}:
+        raise ConfigError(f"config special ids differ from the tokenizer's {special}; set them so")
+    batches = TrainBatches(
+        config.data_dir,
+        max_tokens=config.max_tokens,
+        temperature=config.sampling_temperature,
+        seed=config.seed,
+        languages=config.languages or None,
+        max_len=config.max_len,
+    )
+
+    # --- model: built on meta, each rank materialises only its own stage ------------------
+    model = build_model(config, device="meta")
+    balance = list(config.balance or gp.balance_by_params(model, config.num_stages))
+    pad_id, smoothing = config.pad_id, config.label_smoothing
+
+    def loss_fn(logits: Tensor, target_ids: Tensor) -> Tensor:
+        return token_cross_entropy_sum(logits, target_ids, pad_id=pad_id, label_smoothing=smoothing)
+
+    pipe = gp.DistributedGPipe(
+        model,
+        balance,
+        chunks=config.chunks,
+        checkpoint=config.checkpoint,
+        schedule=config.schedule,
+        loss_fn=loss_fn,
+        loss_reduction="sum",  # divided by the step's target-token count (normalizer)
+        group=pipeline_group,
+        data_parallel_group=data_group if num_replicas > 1 else None,
+        device=device,
+        seed=config.seed,
+        timeout_s=300,
+    )
+    optimizer = make_optimizer(config, list(pipe.parameters()))
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and config.bf16 else nullcontext()
+    )
+    num_params = sum(p.numel() for p in model.parameters())
+    say(
+        f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d={config.d_model} "
+        f"vocab={config.vocab_size}: {num_params / 1e6:.2f}M parameters; {config.num_stages} "
+        f"stages, balance {balance}, {config.chunks} micro-batches, schedule {config.schedule}, "
+        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {world_size} rank(s) on "
+        f"{device.type}; languages {' '.join(batches.languages)}"
+    )
+
+    # --- resume: weights, optimizer, data stream, step counters ---------------------------
+    step, tokens_seen, train_seconds = 0, 0, 0.0
+    if config.resume:
+        resume_dir = resolve_checkpoint(out_dir)
+        saved_config = load_nmt_config([f"--config={resume_dir / 'config.yaml'}"])
+        differ = model_config_differs(saved_config, config)
+        if differ:
+            raise ConfigError(
+                f"--resume from {resume_dir}: the config differs in {differ} (saved, given); "
+                "resume with the saved settings or start a new out_dir"
+            )
+        state_path = resume_dir / f"train-state-rank{rank:03d}.pt"
+        if not state_path.exists():
+            raise ConfigError(
+                f"--resume: {state_path} is missing; resume with the world size the checkpoint "
+                f"was written with (this run has {world_size} ranks)"
+            )
+        pipe.load_checkpoint(resume_dir)
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        batches.load_state_dict(state["data"])
+        step, tokens_seen, train_seconds = state["step"], state["tokens"], state["train_seconds"]
+        pipe.steps_done = state["pipe_steps"]  # seeds dropout: must continue, not restart
+        say(f"resumed from {resume_dir} at step {step}")
+    elif (out_dir / "latest").exists():
+        raise ConfigError(
+            f"out_dir={out_dir} already holds a run (see {out_dir / 'latest'}); pass --resume to "
+            "continue it, or another --out_dir"
+        )
+    dist.barrier()
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, out_dir / "config.yaml")
+    logger = Logger(config, out_dir, step, enabled=master)
+
+    def save(step: int) -> Path:
+        """Checkpoint: shards (collective), per-rank state, config, tokenizer; then ``latest``."""
+        path = checkpoint_dir(out_dir, step)
+        pipe.save_checkpoint(path)
+        state = {
+            "optimizer": optimizer.state_dict(),
+            "data": batches.state_dict(),
+            "step": step,
+            "tokens": tokens_seen,
+            "train_seconds": train_seconds,
+            "pipe_steps": pipe.steps_done,
+            "world_size": world_size,
+        }
+        torch.save(state, path / f"train-state-rank{rank:03d}.pt")
+        if master:
+            save_config(config, path / "config.yaml")
+            (path / "tokenizer.json").write_text(json.dumps({
+                "fingerprint": tokenizer.fingerprint,
+                "vocab_size": tokenizer.vocab_size,
+                "data_dir": str(config.data_dir),
+            }) + "\n")
+        dist.barrier()
+        if master:
+            (out_dir / "latest.tmp").write_text(path.name + "\n")
+            os.replace(out_dir / "latest.tmp", out_dir / "latest")
+            older = sorted(p for p in out_dir.glob("step-*") if p.is_dir() and p != path)
+            for old in older[: max(0, len(older) - (KEEP_CHECKPOINTS - 1))]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def run_eval(path: Path, max_per_lang: int | None) -> dict[str, Any] | None:
+        """Dev BLEU of the checkpoint at ``path`` on the plain model; every rank translates a
+        share of the sentences, rank 0 scores them."""
+        plain = load_model(config, path, device)
+        report = evaluate(
+            plain, config, tokenizer, split="dev", max_per_lang=max_per_lang, device=device,
+            rank=rank, world_size=world_size,
+        )
+        del plain
+        return report
+
+    # --- training loop --------------------------------------------------------------------
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.max_steps, initial=step, disable=not master, dynamic_ncols=True,
+               file=sys.stderr, mininterval=2.0)
+    window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()
+    loop_start = time.monotonic() - train_seconds
+    last_saved = step if config.resume else -1
+    stop = torch.zeros(1, dtype=torch.int64)
+    while True:
+        # stop: at max_steps or max_minutes; rank 0's clock decides for everyone
+        if master:
+            out_of_time = config.max_minutes and time.monotonic() - loop_start > 60 * config.max_minutes
+            stop[0] = int(step >= config.max_steps or bool(out_of_time))
+        dist.broadcast(stop, src=0)
+        if stop.item():
+            break
+
+        # learning rate: a pure function of the step, so resuming needs no scheduler state
+        lr = learning_rate(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # batch: R batches per step from the shared stream; replica r trains on the r-th
+        step_batches = [next(batches) for _ in range(num_replicas)]
+        batch = step_batches[replica]
+        counts = [count_tokens(b, pad_id) for b in step_batches]
+        target_tokens = sum(t for _, t in counts)
+        tokens_seen += sum(s + t for s, t in counts)
+
+        # forward + backward through the pipeline; loss = mean over the step's target tokens
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = pipe.step(
+                (batch.src, batch.tgt_in) if pipe.is_first else None,
+                batch.tgt_out if pipe.is_last else None,
+                # data-parallel gradients are averaged over R replicas: scale back to a sum
+                normalizer=target_tokens / num_replicas,
+            )
+        if num_replicas > 1:
+            dist.all_reduce(loss, group=data_group)
+        grad_norm = pipe.clip_grad_norm_(config.clip_norm) if config.clip_norm > 0 else None
+        optimizer.step()
+        step += 1
+        train_seconds = time.monotonic() - loop_start
+
+        # log: every step to log.jsonl; every log_every steps the bar, wandb, activations
+        loss_value = float(loss)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(
+                f"loss is {loss_value} at step {step}; lower lr={config.lr} or raise warmup_steps"
+            )
+        window_loss += loss_value
+        window_steps += 1
+        window_tokens += sum(s + t for s, t in counts)
+        record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr,
+                                  "tokens": tokens_seen}
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        logger.step(record)
+        bar.update(1)
+        if step % config.log_every == 0:
+            stats = stage_stats(pipe)  # collective: every rank reaches it at the same step
+            elapsed = time.monotonic() - window_start
+            metrics = {
+                "train/loss": window_loss / window_steps,
+                "train/lr": lr,
+                "train/tokens_per_second": window_tokens / max(elapsed, 1e-9),
+                "train/tokens": tokens_seen,
+                "train/minutes": train_seconds / 60,
+                **({"train/grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+                **{f"activations/{k}": v for k, v in stats.items()},
+            }
+            logger.metrics(metrics, step)
+            bar.set_postfix(
+                loss=f"{metrics['train/loss']:.3f}",
+                tok_s=f"{metrics['train/tokens_per_second']:.0f}",
+                lr=f"{lr:.2e}",
+                logit=f"{stats.get('max_abs_logit', float('nan')):.1f}",
+                refresh=False,
+            )
+            window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()
+
+        # checkpoint and evaluate (periodic; the final ones follow the loop)
+        due_eval = bool(config.eval_every) and step % config.eval_every == 0
+        if due_eval or (config.ckpt_every and step % config.ckpt_every == 0):
+            path = save(step)
+            last_saved = step
+        if due_eval and step < config.max_steps:  # the final evaluation follows the loop
+            report = run_eval(path, config.eval_max_sentences)
+            if report is not None:
+                lines = format_report(report, examples=0).splitlines()
+                bar.write(f"step {step} dev BLEU:\n" + "\n".join(lines[1:5]))
+                logger.metrics(
+                    {f"dev/bleu_{b}": v["bleu"] for b, v in report["buckets"].items()}, step
+                )
+    bar.close()
+
+    # --- final checkpoint and dev BLEU per resource bucket ----------------------------------
+    path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
+    train_minutes = train_seconds / 60
+    say(
+        f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_minutes:.1f} min "
+        f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
+        f"checkpoint {path}"
+    )
+    report = run_eval(path, config.eval_max_sentences)
+    summary = None
+    if master:
+        assert report is not None
+        write_report(report, out_dir / "dev_bleu.json")
+        say(format_report(report))
+        summary = {
+            "steps": step,
+            "tokens": tokens_seen,
+            "train_minutes": round(train_minutes, 2),
+            "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
+            "total_minutes": round((time.monotonic() - started) / 60, 2),
+            "checkpoint": str(path),
+            "dev": {b: {"bleu": v["bleu"], "copy_bleu": v["copy_bleu"]}
+                    for b, v in report["buckets"].items()},
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        say(f"total wall time {summary['total_minutes']} min")
+        logger.metrics({f"dev/final_bleu_{b}": v["bleu"] for b, v in report["buckets"].items()},
+                       step)
+    logger.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
