@@ -2,10 +2,16 @@
 
 On disk a dataset is one folder::
 
-    dataset.json            {"name", "classes", "image_mode", "splits": {split: {"images",
-                             "shards", "class_counts"}}}; written last, so its presence means done
+    dataset.json            {"name", "classes" (index order), "image_mode", "splits": {split:
+                             {"images", "class_counts", "shards", "shard_images",
+                             "shard_bytes"}}}; written last, so its presence means "complete"
     train-000000.tar ...    samples "<key>.png" (or .jpg) + "<key>.cls" (class index as text)
     test-000000.tar ...
+
+A shard whose size or sample count differs from dataset.json, or that tarfile or PIL cannot
+read, raises ``CorruptShardError`` naming it (or is skipped with a warning when
+``skip_corrupt_shards`` is set). ``dataset="shards"`` also accepts a folder of
+``<split>-*.tar`` without dataset.json (then nothing is checked beyond readability).
 
 ``data/fashion_mnist/prepare.py`` and ``data/imagenet/prepare.py`` write it with
 ``write_split`` / ``write_dataset_json``; the loaders below stream it with webdataset, decode
@@ -15,7 +21,8 @@ Determinism: the shard order, the shuffle buffer and mixup draw from RNGs seeded
 ``(config.seed, epoch, worker)``, and worker seeds (timm's random crops and flips) come from a
 DataLoader generator seeded the same way. Two processes that build the same loader see the same
 batches in the same order, which a pipeline needs (inputs are read on the first stage, targets on
-the last).
+the last). With ``num_workers=0`` the order and the mixup targets are still seeded, but the
+random crops and flips draw from the calling process' global RNGs.
 """
 
 from __future__ import annotations
