@@ -20,6 +20,12 @@ Wire format of one distributed message (all on the stage's device)::
 
 Sends are asynchronous (``isend``) and complete by :meth:`Transport.finish`; receives wait at
 most ``timeout_s`` seconds, so a dead or stuck neighbour turns into an error, never a hang.
+
+With gloo, headers, skeletons and tensors travel under different tags, and a stage posts the
+receives of all its headers for a step as soon as it knows the number of micro-batches: a
+neighbour's header then lands in a waiting buffer instead of waiting for a handshake, and only
+the tensors (whose shapes the header gives) cost one. NCCL ignores tags and matches messages in
+order, so there every receive is posted when it is needed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import datetime
 import pickle
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,6 +127,8 @@ _DTYPES = [
 ]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _TENSOR = "__tensor__"  # stands for a tensor leaf in the pickled skeleton
+# Tags (gloo): step headers and tied weights, message headers, skeletons, tensors.
+_TAG_CONTROL, _TAG_HEADER, _TAG_SKELETON, _TAG_TENSOR = 0, 1, 2, 3
 
 
 class DistributedTransport(Transport):
@@ -142,7 +151,8 @@ class DistributedTransport(Transport):
         self._pending: list[Any] = []  # (work, buffers) of sends in flight
         self._sent_skeleton: dict[int, bytes] = {}
         self._recv_skeleton: dict[int, Any] = {}
-        self.num_microbatches_seen = 0
+        self._posted_headers: dict[int, deque[tuple[Any, Tensor]]] = {}
+        self.use_tags = dist.get_backend() == "gloo"
 
     # -- public ----------------------------------------------------------------------------
 
@@ -161,20 +171,33 @@ class DistributedTransport(Transport):
     def send_step_header(self, num_microbatches: int, step: int) -> None:
         """Tell the next stage how many micro-batches this step has (it cannot see the input)."""
         header = torch.tensor([num_microbatches, step], dtype=torch.int64, device=self.device)
-        self._isend(header, self.stage_index + 1)
+        self._isend(header, self.stage_index + 1, _TAG_CONTROL)
 
     def recv_step_header(self) -> tuple[int, int]:
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        self._irecv_wait([header], self.stage_index - 1)
+        self._irecv_wait([header], self.stage_index - 1, _TAG_CONTROL)
         num_microbatches, step = header.tolist()
         return int(num_microbatches), int(step)
 
+    def post_header_receives(self, num_microbatches: int) -> None:
+        """Post this step's header receives from both neighbours at once (gloo only)."""
+        if not self.use_tags:
+            return
+        neighbours = [self.stage_index - 1, self.stage_index + 1]
+        for stage in neighbours:
+            if 0 <= stage < len(self.stage_ranks):
+                queue = self._posted_headers.setdefault(stage, deque())
+                for _ in range(num_microbatches):
+                    buffer = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
+                    work = dist.irecv(buffer, src=self.stage_ranks[stage], tag=_TAG_HEADER)
+                    queue.append((work, buffer))
+
     def send_tensor(self, tensor: Tensor, stage: int) -> None:
         """Send one tensor of known shape to ``stage`` (used for tied-parameter gradients)."""
-        self._isend(tensor.contiguous(), stage)
+        self._isend(tensor.contiguous(), stage, _TAG_CONTROL)
 
     def recv_tensor(self, out: Tensor, stage: int) -> Tensor:
-        self._irecv_wait([out], stage)
+        self._irecv_wait([out], stage, _TAG_CONTROL)
         return out
 
     def finish(self) -> None:
@@ -184,19 +207,33 @@ class DistributedTransport(Transport):
 
     # -- wire format -----------------------------------------------------------------------
 
-    def _isend(self, tensor: Tensor, stage: int) -> None:
-        work = dist.isend(tensor, dst=self.stage_ranks[stage], group=self.group)
+    def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
+        work = dist.isend(tensor, dst=self.stage_ranks[stage], tag=tag if self.use_tags else 0)
         self._pending.append((work, tensor))  # keep the buffer alive until the send completes
 
-    def _irecv_wait(self, buffers: list[Tensor], stage: int) -> None:
+    def _irecv_wait(self, buffers: list[Tensor], stage: int, tag: int) -> None:
         rank = self.stage_ranks[stage]
+        tag = tag if self.use_tags else 0
         try:
-            works = [dist.irecv(b, src=rank, group=self.group) for b in buffers]
+            works = [dist.irecv(b, src=rank, tag=tag) for b in buffers]
             for work in works:
                 assert work is not None
                 work.wait(self.timeout)
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"receive failed ({exc})") from exc
+
+    def _recv_header(self, stage: int) -> Tensor:
+        queue = self._posted_headers.get(stage)
+        if not queue:
+            header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
+            self._irecv_wait([header], stage, _TAG_HEADER)
+            return header
+        work, header = queue.popleft()
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerError(self.stage_ranks[stage], stage, f"receive failed ({exc})") from exc
+        return header
 
     def _send(self, stage: int, payload: Any) -> None:
         leaves, spec = flatten(payload)
@@ -215,22 +252,20 @@ class DistributedTransport(Transport):
                 f"than {HEADER_SIZE}; pass fewer or lower-dimensional tensors between stages"
             )
         header += [0] * (HEADER_SIZE - len(header))
-        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), stage)
+        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), stage, _TAG_HEADER)
         if send_skeleton:
             self._sent_skeleton[stage] = skeleton
             data = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8).to(self.device)
-            self._isend(data, stage)
+            self._isend(data, stage, _TAG_SKELETON)
         for tensor in tensors:
-            self._isend(tensor.detach().to(self.device).contiguous(), stage)
+            self._isend(tensor.detach().to(self.device).contiguous(), stage, _TAG_TENSOR)
 
     def _recv(self, stage: int) -> Any:
-        header_tensor = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
-        self._irecv_wait([header_tensor], stage)
-        header = header_tensor.tolist()
+        header = self._recv_header(stage).tolist()
         skeleton_bytes, num_tensors = int(header[0]), int(header[1])
         if skeleton_bytes:
             data = torch.empty(skeleton_bytes, dtype=torch.uint8, device=self.device)
-            self._irecv_wait([data], stage)
+            self._irecv_wait([data], stage, _TAG_SKELETON)
             self._recv_skeleton[stage] = pickle.loads(data.cpu().numpy().tobytes())
         spec, kinds = self._recv_skeleton[stage]
         buffers: list[Tensor] = []
@@ -243,7 +278,7 @@ class DistributedTransport(Transport):
             buffers.append(torch.empty(shape, dtype=_DTYPES[dtype], device=self.device))
             flags.append(bool(requires_grad))
         if buffers:
-            self._irecv_wait(buffers, stage)
+            self._irecv_wait(buffers, stage, _TAG_TENSOR)
         tensors = iter(
             b.requires_grad_(True) if flag else b for b, flag in zip(buffers, flags, strict=True)
         )
