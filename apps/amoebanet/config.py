@@ -38,7 +38,7 @@ class AmoebaNetConfig:
     data_dir: str = ".cache/fashion_mnist"  # folder with <split>-NNNNNN.tar and dataset.json
     train_split: str = "train"  # split trained on
     eval_split: str = "test"  # split evaluated on ("val" holds out 5,000 train images)
-    batch_size: int = 64  # mini-batch (split into `chunks` micro-batches by the pipeline)
+    batch_size: int = 128  # mini-batch (split into `chunks` micro-batches by the pipeline)
     eval_batch_size: int = 256  # batch for evaluation (no gradients, so larger is fine)
     num_workers: int = 1  # DataLoader worker processes decoding images (0 = in the main process)
     shuffle_buffer: int = 5000  # samples held for shuffling (shards are shuffled too)
@@ -75,7 +75,7 @@ class AmoebaNetConfig:
     min_lr: float = 1e-5  # floor of the schedule
     decay_epochs: float = 2.4  # "step" scheduler: epochs between decays (exponential decay)
     decay_rate: float = 0.97  # "step" scheduler: factor per decay
-    epochs: int = 10  # full passes over the training split
+    epochs: int = 6  # full passes over the training split (length of the lr schedule)
     max_minutes: float = 30.0  # wall-clock budget (0 = none); when spent, stop and evaluate
     seed: int = 0  # seeds data order, augmentation and initialisation
 
