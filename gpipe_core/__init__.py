@@ -11,7 +11,9 @@ from .distributed import (
 from .gpipe import GPipe
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
+from .plan import Plan, plan
 from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
+from .simulate import Simulation, simulate
 
 __all__ = [
     "GPipe",
@@ -21,6 +23,10 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "materialize",
+    "simulate",
+    "Simulation",
+    "plan",
+    "Plan",
     "DeferredBatchNorm",
     "Balance",
     "balance_by_params",

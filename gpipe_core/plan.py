@@ -1,0 +1,95 @@
+"""Choosing the number of stages K, micro-batches M and the balance under a memory budget.
+
+From per-layer costs measured on the whole mini-batch (forward and backward seconds, bytes kept
+for backward, input bytes, parameter bytes), :func:`plan` tries every K up to the devices
+available, every M that divides the batch into micro-batches of at least ``min_microbatch``
+samples, and every checkpoint mode; balances layers optimally for each K; predicts the step with
+:func:`~gpipe_core.simulate.simulate`; and returns the fastest plan whose predicted peak memory
+per device fits the budget. Per-micro-batch costs are modelled as the whole-batch cost divided
+by M plus a fixed per-action overhead, which is what small micro-batches cost on real hardware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .partition import optimal_balance
+from .schedule import get_schedule
+from .simulate import simulate
+
+__all__ = ["Plan", "plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate configuration and its predicted cost."""
+
+    num_stages: int
+    num_microbatches: int
+    checkpoint: str
+    balance: list[int]
+    step_time: float
+    bubble_fraction: float
+    peak_bytes: float  # the largest device's parameters + kept activations
+
+    def describe(self) -> str:
+        return (
+            f"K={self.num_stages} M={self.num_microbatches} checkpoint={self.checkpoint} "
+            f"balance={self.balance}: {self.step_time:.4g} s/step, bubble "
+            f"{self.bubble_fraction:.0%}, peak {self.peak_bytes / 2**30:.2f} GiB/device"
+        )
+
+
+def plan(
+    *,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    activation_bytes: Sequence[float],
+    input_bytes: Sequence[float],
+    param_bytes: Sequence[float],
+    batch_size: int,
+    max_stages: int,
+    memory_budget: float,
+    schedule: str = "gpipe",
+    per_action_overhead: float = 0.0,
+    transfer: float = 0.0,
+    min_microbatch: int = 1,
+) -> list[Plan]:
+    """All feasible plans, fastest first; raises if none fits ``memory_budget`` bytes."""
+    n = len(forward)
+    if not (len(backward) == len(activation_bytes) == len(input_bytes) == len(param_bytes) == n):
+        raise ValueError("give forward, backward, activation_bytes, input_bytes and param_bytes "
+                         "for every layer (equal lengths)")
+    plans = []
+    for k in range(1, min(max_stages, n) + 1):
+        balance = list(optimal_balance([f + b for f, b in zip(forward, backward, strict=True)], k))
+        bounds = [sum(balance[:i]) for i in range(k + 1)]
+
+        def per_stage(values: Sequence[float], a: int, b: int) -> float:
+            return float(sum(values[a:b]))
+
+        for m in range(1, batch_size // min_microbatch + 1):
+            if batch_size % m:
+                continue
+            stages = list(zip(bounds[:-1], bounds[1:], strict=True))
+            fwd = [per_stage(forward, a, b) / m + per_action_overhead for a, b in stages]
+            bwd = [per_stage(backward, a, b) / m + per_action_overhead for a, b in stages]
+            acts = [per_stage(activation_bytes, a, b) / m for a, b in stages]
+            inputs = [input_bytes[a] / m for a, _ in stages]
+            params = [per_stage(param_bytes, a, b) for a, b in stages]
+            for checkpoint in ("never", "except_last", "always"):
+                sim = simulate(get_schedule(schedule, k, m), fwd, bwd, transfer=transfer,
+                               checkpoint=checkpoint, activation_bytes=acts, input_bytes=inputs)
+                # Re-materializing needs one micro-batch's full activations during backward.
+                working = [acts[s] if checkpoint != "never" else 0.0 for s in range(k)]
+                peak = max(params[s] + sim.peak_bytes[s] + working[s] for s in range(k))
+                if peak <= memory_budget:
+                    plans.append(Plan(k, m, checkpoint, balance, sim.step_time,
+                                      sim.bubble_fraction, peak))
+    if not plans:
+        raise ValueError(
+            f"no plan fits {memory_budget / 2**30:.2f} GiB per device with up to {max_stages} "
+            "stages; allow more stages, a smaller batch, or a larger budget"
+        )
+    return sorted(plans, key=lambda p: (p.step_time, p.peak_bytes))
