@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Two pipeline ranks on this machine, rendezvous on the loopback interface only.
+NPROC ?= 2
+TORCHRUN := $(VENV)/bin/torchrun --nnodes 1 --nproc-per-node $(NPROC) --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
+ARGS ?=
 
-.PHONY: install test test-fast lint smoke train-nmt eval-nmt train-amoebanet eval-amoebanet bench clean
+.PHONY: install test test-fast lint smoke train-nmt eval-nmt train-amoebanet eval-amoebanet \
+        bench bench-overhead bench-pipeline clean
 
 install: $(STAMP)
 
@@ -18,14 +23,38 @@ test: install
 	$(PY) -m pytest -q tests
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not distributed" tests
 
 lint: install
-	$(VENV)/bin/ruff check gpipe_core tests
+	$(VENV)/bin/ruff check gpipe_core apps data scripts tests
 	$(VENV)/bin/mypy gpipe_core
 
-bench: install
+# The paper's second application on this CPU: prepare the corpus, train on 2 pipeline stages
+# (at most 30 minutes), then print dev BLEU per resource bucket beside copying the source.
+train-nmt: install
+	$(TORCHRUN) -m apps.nmt.train $(ARGS)
+
+eval-nmt: install
+	$(PY) scripts/eval_bleu.py --ckpt out/nmt --split test $(ARGS)
+
+# The paper's first application: Fashion-MNIST from Debian, AmoebaNet-D on 2 pipeline stages.
+train-amoebanet: install
+	$(TORCHRUN) -m apps.amoebanet.train $(ARGS)
+
+eval-amoebanet: install
+	$(PY) scripts/eval_top1.py --ckpt out/amoebanet --split test $(ARGS)
+
+# Both apps end to end on tiny configs with 2 pipeline ranks, in a few minutes.
+smoke: install
+	$(PY) scripts/smoke.py
+
+bench-overhead: install
 	$(PY) scripts/bench_overhead.py
 
+bench-pipeline: install
+	$(PY) scripts/bench_pipeline.py
+
+bench: bench-overhead bench-pipeline
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache out
