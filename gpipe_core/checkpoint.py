@@ -47,12 +47,19 @@ def _splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+_MULTIPLIER = 0x9E3779B97F4A7C15  # odd, so the polynomial below mixes every part
+
+
 def derive_seed(seed: int, step: int, mb_index: int, layer_index: int) -> int:
-    """A 63-bit seed for one layer's forward on one micro-batch of one training step."""
+    """A 63-bit seed for one layer's forward on one micro-batch of one training step.
+
+    The parts are combined as a polynomial in a large odd multiplier (mod 2^64), then scrambled
+    once by splitmix64: cheap enough to run for every layer of every micro-batch.
+    """
     value = seed & _MASK64
     for part in (step, mb_index, layer_index):
-        value = _splitmix64(value ^ (part & _MASK64))
-    return value >> 1
+        value = (value * _MULTIPLIER + (part & _MASK64)) & _MASK64
+    return _splitmix64(value) >> 1
 
 
 @contextmanager

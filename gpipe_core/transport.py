@@ -85,7 +85,9 @@ class LocalTransport(Transport):
     def _put(self, key: tuple[str, int, int], value: Any, device: torch.device) -> None:
         if key in self.mailbox:
             raise RuntimeError(f"message {key} sent twice without being received")
-        self.mailbox[key] = map_tensors(value, lambda t: t.to(device, non_blocking=True))
+        self.mailbox[key] = map_tensors(
+            value, lambda t: t if t.device == device else t.to(device, non_blocking=True)
+        )
 
     def _take(self, key: tuple[str, int, int]) -> Any:
         try:
