@@ -276,7 +276,8 @@ def amoebanet(
 ) -> nn.Sequential:
     """AmoebaNet(L=num_normal_cells, D=filters) as ``nn.Sequential`` of named cells.
 
-    Layer names, numbered in order so they sort and read as the network (example L=6)::
+    Cells are numbered 1, 2, ... in network order, the two stem cells included, and named
+    ``cell<number>_<kind>``; with L normal cells there are L + 6 layers (example L=6)::
 
         stem             [B,C,H,W] -> (x, x)            3x3 conv, D/4 filters
         cell1_reduction  (x, skip) -> (x', x)           stem cell, D/4 filters
