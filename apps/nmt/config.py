@@ -51,8 +51,11 @@ class NMTConfig:
     eos_id: int = 3  # ends every target; decoding stops on it
 
     # --- data ---
-    data_dir: str = ".cache/gettext_m2en"  # prepared corpus, tokenizer and shards (git-ignored)
-    packages: str = "quick"  # Debian l10n package list: "quick" (3 packages) or "full" (12)
+    # prepared corpus, tokenizer and shards (git-ignored); one directory per corpus setting
+    data_dir: str = ".cache/gettext_m2en_cpu"
+    # Debian l10n package list: "quick" (3 packages) or "full" (12); "none" trains on the corpus
+    # already in data_dir as it is (e.g. prepared from your own TSV files)
+    packages: str = "quick"
     # source languages to use (catalog locale names); empty = all. The CPU default trains six
     # high-resource Latin-script languages so that each gets enough steps (cpu_default.yaml)
     languages: list[str] = field(default_factory=lambda: ["de", "es", "fr", "it", "nl", "pt"])
@@ -71,7 +74,7 @@ class NMTConfig:
 
     # --- optimisation ---
     optimizer: str = "adam"  # "adam" or "adafactor"
-    lr: float = 2e-3  # peak learning rate, reached at the end of warmup
+    lr: float = 3e-3  # peak learning rate, reached at the end of warmup
     warmup_steps: int = 200  # linear warmup steps
     lr_schedule: str = "inverse_sqrt"  # after warmup: "inverse_sqrt" decay or "constant"
     adam_beta1: float = 0.9  # Adam first-moment decay
@@ -79,7 +82,7 @@ class NMTConfig:
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
     weight_decay: float = 0.0  # decoupled weight decay
     max_steps: int = 100_000  # stop after this many optimizer steps
-    max_minutes: float = 25.0  # stop after this much wall-clock training time; 0 = no limit
+    max_minutes: float = 24.0  # stop after this much wall-clock training time; 0 = no limit
     seed: int = 0  # seeds data order, init and dropout
 
     # --- runtime ---
@@ -91,8 +94,8 @@ class NMTConfig:
     # --- logging and checkpoints ---
     out_dir: str = "runs/nmt"  # checkpoints, resolved config, logs
     log_every: int = 20  # steps between log lines / wandb points
-    eval_every: int = 1000  # steps between dev evaluations; 0 = only at the end
-    ckpt_every: int = 1000  # steps between checkpoints; 0 = only at the end
+    eval_every: int = 0  # steps between dev evaluations; 0 = only at the end
+    ckpt_every: int = 500  # steps between checkpoints; 0 = only at the end
     wandb_project: str = "gpipe-nmt"  # wandb project name
     wandb_mode: str = "offline"  # "offline" unless you set a key and choose "online"
 
@@ -100,7 +103,7 @@ class NMTConfig:
     beam_size: int = 4  # beam width (1 = greedy)
     length_penalty: float = 0.6  # GNMT alpha in ((5 + len) / 6)^alpha; 0 = none
     max_decode_len: int = 64  # most tokens generated per sentence (excluding BOS)
-    eval_max_sentences: int = 100  # dev sentences per language in evaluations during training
+    eval_max_sentences: int = 300  # dev sentences per language in evaluations (also the final)
 
     @property
     def num_model_layers(self) -> int:

@@ -630,6 +630,11 @@ def decode(
     return roles.project.logits(dec_state)
 
 
+def _loss_precision(logits: Tensor) -> Tensor:
+    """At least float32 for the softmax (bf16/fp16 logits are upcast; float64 stays float64)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 def token_cross_entropy(
     logits: Tensor, target_ids: Tensor, *, pad_id: int, label_smoothing: float = 0.0
 ) -> Tensor:
@@ -641,7 +646,7 @@ def token_cross_entropy(
     token count.
     """
     return F.cross_entropy(
-        logits.flatten(0, 1).float(),
+        _loss_precision(logits.flatten(0, 1)),
         target_ids.flatten(),
         ignore_index=pad_id,
         label_smoothing=label_smoothing,
@@ -654,7 +659,7 @@ def token_cross_entropy_sum(
     """Summed label-smoothed cross entropy over the non-padding target tokens (divide by the
     mini-batch's token count yourself, so micro-batches add up to the full-batch mean)."""
     return F.cross_entropy(
-        logits.flatten(0, 1).float(),
+        _loss_precision(logits.flatten(0, 1)),
         target_ids.flatten(),
         ignore_index=pad_id,
         label_smoothing=label_smoothing,

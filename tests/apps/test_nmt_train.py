@@ -1,0 +1,268 @@
+"""NMT training end to end: the real loop under torchrun, exact resume, BLEU, and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import gpipe_core as gp
+from apps.config import ConfigError, save_config
+from apps.nmt import train
+from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
+from apps.nmt.data import CorpusError, load_tokenizer
+from apps.nmt.evaluate import CheckpointError
+from apps.nmt.model import token_cross_entropy_sum
+from data.gettext_m2en.prepare import prepare
+from scripts.eval_bleu import TokenizerMismatch, evaluate_checkpoint
+from tests.apps.test_nmt_data import build_locale_tree
+from tests.distributed.launch import spawn
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 400  # the smallest the synthetic corpus allows (bytes + specials + tags + pieces)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Catalogs written by the test (4 languages, 40-600 messages), prepared like the real one."""
+    root = tmp_path_factory.mktemp("catalogs")
+    build_locale_tree(root)
+    out = tmp_path_factory.mktemp("corpus")
+    prepare(out, packages=None, locale_roots=[root], vocab_size=VOCAB, dev_fraction=0.1,
+            test_fraction=0.1, block_size=64, verbose=False)
+    return out
+
+
+def tiny_args(corpus: Path, out_dir: Path, **changes: Any) -> list[str]:
+    settings: dict[str, Any] = {
+        "config": "tiny",
+        "data_dir": corpus,
+        "packages": "none",  # use the test's corpus as it is
+        "vocab_size": VOCAB,
+        "out_dir": out_dir,
+        "wandb_mode": "disabled",
+        "dropout": 0.1,  # resume must reproduce the dropout masks too
+        "eval_every": 0,
+        "ckpt_every": 0,
+        "log_every": 2,
+        "eval_max_sentences": 6,
+        "beam_size": 2,
+        "max_decode_len": 12,
+    }
+    settings.update(changes)
+    return [f"--{key}={value}" for key, value in settings.items()]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun(args: list[str], *, timeout_s: float = 150.0) -> str:
+    """``python -m torch.distributed.run`` with 2 ranks on 127.0.0.1; returns its output."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "-m", "apps.nmt.train", *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=timeout_s, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def losses(out_dir: Path) -> list[tuple[int, float]]:
+    lines = (out_dir / "log.jsonl").read_text().splitlines()
+    return [(record["step"], record["loss"]) for record in map(json.loads, lines)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The real loop, end to end
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_train_checkpoint_exact_resume_and_bleu(corpus: Path, tmp_path: Path) -> None:
+    steps = 6
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    output = torchrun(tiny_args(corpus, straight, max_steps=steps))
+    assert "dev BLEU" in output and "copy BLEU" in output and "sacrebleu" in output
+
+    # what a run leaves behind
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["tokens"] > 0
+    checkpoint = straight / (straight / "latest").read_text().strip()
+    assert checkpoint.name == f"step-{steps:07d}"
+    assert sorted(p.name for p in checkpoint.glob("shard-*")) == [
+        "shard-000-of-002.pt", "shard-001-of-002.pt"
+    ]
+    assert (checkpoint / "train-state-rank001.pt").is_file()
+    fingerprint = json.loads((checkpoint / "tokenizer.json").read_text())["fingerprint"]
+    assert fingerprint == load_tokenizer(corpus).fingerprint
+    saved = load_nmt_config([f"--config={checkpoint / 'config.yaml'}"])
+    assert saved.vocab_size == VOCAB and saved.dropout == 0.1
+    dev = json.loads((straight / "dev_bleu.json").read_text())
+    assert set(dev["buckets"]) == {"high", "medium", "low"}
+    assert dev["signature"]["bleu"].startswith("nrefs:1")
+
+    # N/2 steps, stop, resume, N/2 steps: the same losses and the same weights, bit for bit
+    torchrun(tiny_args(corpus, halves, max_steps=steps // 2))
+    torchrun(tiny_args(corpus, halves, max_steps=steps, resume="true"))
+    assert losses(halves) == losses(straight)
+    assert [step for step, _ in losses(halves)] == list(range(1, steps + 1))
+    resumed = gp.load_checkpoint(resolve(halves))
+    for name, value in gp.load_checkpoint(checkpoint).items():
+        assert torch.equal(resumed[name], value), name
+
+    # beam search and BLEU with the evaluation script's function (JSON and PNG)
+    report = evaluate_checkpoint(straight, split="test", beam_size=2, max_per_lang=5,
+                                 out=tmp_path / "test_bleu")
+    assert (tmp_path / "test_bleu.json").is_file() and (tmp_path / "test_bleu.png").is_file()
+    assert set(report["languages"]) == {"de", "fr", "ru", "pt_BR"}
+    for row in report["languages"].values():
+        assert 0.0 <= row["bleu"] <= 100.0 and row["copy_bleu"] >= 0.0
+        assert row["sentences"] <= 5
+
+
+def resolve(out_dir: Path) -> Path:
+    return out_dir / (out_dir / "latest").read_text().strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain model == GPipe == DistributedGPipe on the NMT model
+
+
+def nmt_problem() -> tuple[NMTConfig, tuple[Tensor, Tensor], Tensor, int]:
+    """Tiny config (dropout 0), a padded batch of 6 pairs, its target-token count."""
+    config = replace(load_nmt_config(["--config=tiny"]), label_smoothing=0.1)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(4, config.vocab_size, (6, 9), generator=g)
+    tgt = torch.randint(4, config.vocab_size, (6, 8), generator=g)
+    for row, (s, t) in enumerate([(9, 8), (5, 3), (7, 8), (2, 1), (9, 6), (4, 4)]):
+        src[row, s:] = config.pad_id
+        tgt[row, t:] = config.pad_id
+    tgt_in = torch.cat([torch.full((6, 1), config.bos_id), tgt[:, :-1]], dim=1)
+    tgt_in[tgt.eq(config.pad_id)] = config.pad_id
+    return config, (src, tgt_in), tgt, int(tgt.ne(config.pad_id).sum())
+
+
+def double_model(config: NMTConfig) -> torch.nn.Sequential:
+    return gp.materialize(build_model(config, device="meta"), seed=11).double()
+
+
+def nmt_loss_fn(config: NMTConfig) -> Any:
+    def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
+        return token_cross_entropy_sum(logits, target, pad_id=config.pad_id,
+                                       label_smoothing=config.label_smoothing)
+
+    return loss_fn
+
+
+def run_distributed_nmt(rank: int, world_size: int, balance: list[int]) -> Any:
+    config, inputs, targets, tokens = nmt_problem()
+    pipe = gp.DistributedGPipe(double_model(config), balance, chunks=3, checkpoint="except_last",
+                               loss_fn=nmt_loss_fn(config), loss_reduction="sum", seed=11)
+    loss = pipe.step(inputs if pipe.is_first else None, targets if pipe.is_last else None,
+                     normalizer=tokens)
+    return float(loss), {name: p.grad.clone() for name, p in pipe.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_plain_gpipe_and_distributed_give_the_same_loss_and_gradients(tmp_path: Path) -> None:
+    config, inputs, targets, tokens = nmt_problem()
+    loss_fn = nmt_loss_fn(config)
+    plain = double_model(config)
+    plain_loss = loss_fn(plain(inputs), targets) / tokens
+    plain_loss.backward()
+    expected = {name: p.grad.clone() for name, p in plain.named_parameters()}
+
+    model = double_model(config)
+    pipe = gp.GPipe(model, [2, 4], chunks=3)
+    gpipe_loss = loss_fn(pipe(inputs), targets) / tokens
+    gpipe_loss.backward()
+    torch.testing.assert_close(gpipe_loss, plain_loss, rtol=0, atol=1e-10)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=1e-10, msg=name)
+
+    seen: set[str] = set()
+    for loss, grads in spawn(run_distributed_nmt, 2, tmp_path, [3, 3], timeout_s=120):
+        assert loss == pytest.approx(plain_loss.item(), abs=1e-10)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-10, msg=name)
+            seen.add(name)
+    assert seen == set(expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors that say the fix
+
+
+def fake_checkpoint(directory: Path, corpus: Path, fingerprint: str) -> Path:
+    """A checkpoint as train.py writes it, of an untrained tiny model, without training."""
+    config = replace(load_nmt_config(["--config=tiny"]), data_dir=str(corpus), vocab_size=VOCAB)
+    model = gp.materialize(build_model(config, device="meta"), seed=0)
+    gp.save_checkpoint(model.state_dict(), directory)
+    save_config(config, directory / "config.yaml")
+    (directory / "tokenizer.json").write_text(json.dumps({"fingerprint": fingerprint}))
+    return directory
+
+
+def test_tokenizer_mismatch_is_an_error(corpus: Path, tmp_path: Path) -> None:
+    checkpoint = fake_checkpoint(tmp_path / "ckpt", corpus, "0123456789abcdef")
+    with pytest.raises(TokenizerMismatch, match="trained with tokenizer 0123456789abcdef"):
+        evaluate_checkpoint(checkpoint, split="dev", max_per_lang=2)
+
+
+def test_eval_of_a_matching_fake_checkpoint_runs(corpus: Path, tmp_path: Path) -> None:
+    checkpoint = fake_checkpoint(tmp_path / "ckpt", corpus, load_tokenizer(corpus).fingerprint)
+    report = evaluate_checkpoint(checkpoint, split="dev", beam_size=1, max_per_lang=2,
+                                 languages=["de", "fr"])
+    assert set(report["languages"]) == {"de", "fr"}
+    with pytest.raises(CorpusError, match=r"no dev data for language\(s\) \['xx'\]"):
+        evaluate_checkpoint(checkpoint, split="dev", languages=["xx"])
+
+
+def test_missing_corpus_names_the_command(corpus: Path, tmp_path: Path) -> None:
+    checkpoint = fake_checkpoint(tmp_path / "ckpt", corpus, "x")
+    with pytest.raises(CorpusError, match="python -m data.gettext_m2en.prepare --out"):
+        evaluate_checkpoint(checkpoint, data_dir=str(tmp_path / "nothing"))
+    config = replace(NMTConfig(), data_dir=str(tmp_path / "nothing"), packages="none")
+    with pytest.raises(CorpusError, match="python -m data.gettext_m2en.prepare --out"):
+        train.prepare_corpus(config)
+
+
+def test_missing_checkpoint_names_the_command(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="-m apps.nmt.train --out_dir="):
+        evaluate_checkpoint(tmp_path / "no_run")
+
+
+def test_corpus_prepared_with_other_settings_is_not_overwritten(corpus: Path) -> None:
+    config = replace(NMTConfig(), data_dir=str(corpus), packages="quick")
+    with pytest.raises(ConfigError, match="prepared with other settings"):
+        train.prepare_corpus(config)
+
+
+def test_unknown_config_key_stops_before_any_process_group() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['lerning_rate'\]"):
+        train.main(["--lerning_rate=1"])
+
+
+def test_learning_rate_warms_up_then_decays() -> None:
+    config = replace(NMTConfig(), lr=1e-3, warmup_steps=100)
+    assert train.learning_rate(config, 0) == pytest.approx(1e-5)
+    assert train.learning_rate(config, 49) == pytest.approx(5e-4)
+    assert train.learning_rate(config, 99) == pytest.approx(1e-3)
+    assert train.learning_rate(config, 399) == pytest.approx(5e-4)  # sqrt(100 / 400)
+    constant = replace(config, lr_schedule="constant")
+    assert train.learning_rate(constant, 10_000) == pytest.approx(1e-3)
