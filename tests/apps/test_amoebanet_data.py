@@ -127,6 +127,17 @@ def test_eval_loader_sees_every_image_exactly_once(shard_dir: Path, num_workers:
     assert sorted(seen) == list(range(SIZES["train"], SIZES["train"] + SIZES["test"]))
 
 
+def test_data_parallel_replicas_split_the_eval_set(shard_dir: Path) -> None:
+    config = config_for(shard_dir)
+    per_rank = [[i for images, _ in build_eval_loader(config, dp_rank=rank, dp_size=2)
+                 for i in decoded_ids(images)] for rank in range(2)]
+    assert not set(per_rank[0]) & set(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == list(range(SIZES["train"],
+                                                           SIZES["train"] + SIZES["test"]))
+    with pytest.raises(ValueError, match="cannot feed 4 data-parallel replicas"):
+        build_eval_loader(config, dp_rank=0, dp_size=4)
+
+
 def test_augmented_batches_from_workers_are_reproducible(tmp_path: Path) -> None:
     # textured images, so random crops and flips change pixels; two processes building the same
     # loader (first and last pipeline stage) must get identical batches
