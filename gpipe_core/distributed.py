@@ -302,10 +302,13 @@ class DistributedGPipe(nn.Module):
             for mb in range(num_microbatches):
                 loss += self.stage.losses.pop((step, mb)).double()
         self.stage.discard(step)
-        dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
-        self._reduce_tied_gradient()
-        if self.data_parallel_group is not None:
-            self._average_data_parallel_gradients()
+        try:
+            dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
+            self._reduce_tied_gradient()
+            if self.data_parallel_group is not None:
+                self._average_data_parallel_gradients()
+        except RuntimeError as exc:  # a peer died between our last message and the collective
+            raise PeerError(-1, -1, f"collective after the step failed ({exc})") from exc
         return loss
 
     # -- failure ---------------------------------------------------------------------------

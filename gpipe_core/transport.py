@@ -117,7 +117,8 @@ class PeerError(RuntimeError):
     """A neighbouring stage stopped answering or closed its connection."""
 
     def __init__(self, peer_rank: int, peer_stage: int, detail: str) -> None:
-        super().__init__(f"peer rank {peer_rank} (stage {peer_stage}): {detail}")
+        who = f"peer rank {peer_rank} (stage {peer_stage})" if peer_rank >= 0 else "a peer rank"
+        super().__init__(f"{who}: {detail}")
         self.peer_rank = peer_rank
         self.peer_stage = peer_stage
 
@@ -204,14 +205,22 @@ class DistributedTransport(Transport):
 
     def finish(self) -> None:
         pending, self._pending = self._pending, []
-        for work, _buffers in pending:
-            work.wait(self.timeout)
+        for work, _buffer, stage in pending:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                rank = self.stage_ranks[stage]
+                raise PeerError(rank, stage, f"send did not complete ({exc})") from exc
 
     # -- wire format -----------------------------------------------------------------------
 
     def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
-        work = dist.isend(tensor, dst=self.stage_ranks[stage], tag=tag if self.use_tags else 0)
-        self._pending.append((work, tensor))  # keep the buffer alive until the send completes
+        rank = self.stage_ranks[stage]
+        try:
+            work = dist.isend(tensor, dst=rank, tag=tag if self.use_tags else 0)
+        except RuntimeError as exc:
+            raise PeerError(rank, stage, f"send failed ({exc})") from exc
+        self._pending.append((work, tensor, stage))  # keep the buffer alive until it has left
 
     def _irecv_wait(self, buffers: list[Tensor], stage: int, tag: int) -> None:
         rank = self.stage_ranks[stage]

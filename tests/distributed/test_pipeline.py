@@ -360,3 +360,26 @@ def test_a_failing_rank_stops_the_others_with_its_name(tmp_path: Path) -> None:
         assert "PipelineFailure" in results[rank][1]
         assert "rank 1" in results[rank][1]
     assert elapsed < 60
+
+
+def run_dying(rank: int, world: int) -> None:
+    import os
+
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(), [4, 4], chunks=2, loss_fn=loss_fn, timeout_s=20)
+    (x, mask), y = make_batch(0)
+    pipe.step((x, mask), y)
+    if rank == 1:
+        os._exit(7)  # dies without a word, as a killed process would
+    pipe.step((x, mask), y)
+
+
+def test_a_dead_rank_is_named_by_the_survivor(tmp_path: Path) -> None:
+    import time
+
+    start = time.monotonic()
+    results = spawn(run_dying, 2, tmp_path, timeout_s=90, expect_failure=True)
+    assert results[1][0] == 7
+    assert results[0][0] != 0
+    assert "PipelineFailure" in results[0][1] and "peer rank 1 (stage 1)" in results[0][1]
+    assert time.monotonic() - start < 60
