@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import CHECKPOINT_MODES
 from .materialize import InitFn, is_meta, materialize_layer
-from .microbatch import batch_size, scatter
+from .microbatch import batch_size, gather, scatter
 from .partition import split_module, verify_module
 from .runtime import StageRuntime, StepState, TimelineEvent
 from .schedule import Schedule, get_schedule
@@ -199,6 +199,7 @@ class DistributedGPipe(nn.Module):
         )
         self.runtime = StageRuntime(self.stage, self.transport, record=record)
         self._step = 0
+        self._evaluations = 0
         self._sync_tied_weight()
 
     # -- structure -------------------------------------------------------------------------
@@ -241,6 +242,12 @@ class DistributedGPipe(nn.Module):
 
     # -- one training step -----------------------------------------------------------------
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "DistributedGPipe runs a whole step at once: use pipe.step(inputs, targets) to "
+            "train and pipe.evaluate(inputs, targets) for a forward-only pass"
+        )
+
     def step(self, inputs: Any = None, targets: Any = None, *, normalizer: float | None = None) -> Tensor:
         """Forward and backward of one mini-batch; returns its loss on every rank.
 
@@ -248,18 +255,47 @@ class DistributedGPipe(nn.Module):
         None). Gradients accumulate into the local parameters' ``.grad``; call the optimizer
         afterwards. ``normalizer``: divide every micro-batch loss by it (e.g. target tokens).
         """
+        loss, _ = self._guarded(inputs, targets, normalizer, train=True, keep_outputs=False)
+        return loss
+
+    def evaluate(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        normalizer: float | None = None,
+        return_outputs: bool = False,
+    ) -> tuple[Tensor, Any]:
+        """Forward only, without autograd: ``(loss on every rank, outputs on the last stage)``.
+
+        Runs the schedule's forward actions; outputs (gathered over micro-batches) are returned
+        on the last stage when ``return_outputs``, else None. Does not advance ``steps_done``,
+        so evaluating does not change the random streams of later training steps.
+        """
+        with torch.no_grad():
+            return self._guarded(inputs, targets, normalizer, train=False,
+                                 keep_outputs=return_outputs)
+
+    def _guarded(self, inputs: Any, targets: Any, normalizer: float | None, *, train: bool,
+                 keep_outputs: bool) -> tuple[Tensor, Any]:
         try:
-            return self._step_impl(inputs, targets, normalizer)
+            return self._run_step(inputs, targets, normalizer, train, keep_outputs)
         except PeerError as exc:
             raise self._failure(exc) from exc
         except BaseException as exc:
             self._report_failure(exc)
             raise
 
-    def _step_impl(self, inputs: Any, targets: Any, normalizer: float | None) -> Tensor:
-        step = self._step
-        self._step += 1
-        state = StepState(step, 0, keep_outputs=False)
+    def _run_step(self, inputs: Any, targets: Any, normalizer: float | None, train: bool,
+                  keep_outputs: bool) -> tuple[Tensor, Any]:
+        # Training and evaluation count separately; the step number seeds the random streams.
+        if train:
+            step = self._step
+            self._step += 1
+        else:
+            step = -1 - self._evaluations
+            self._evaluations += 1
+        state = StepState(step, 0, keep_outputs=keep_outputs and self.is_last)
         if self.is_first:
             if inputs is None:
                 raise ValueError("the first stage needs inputs: pipe.step(inputs, targets)")
@@ -271,11 +307,11 @@ class DistributedGPipe(nn.Module):
                 raise RuntimeError(
                     f"stage {self.stage_index} is at step {step} but stage "
                     f"{self.stage_index - 1} sent step {sender_step}; every rank must call "
-                    "step() the same number of times"
+                    "step() and evaluate() the same number of times, in the same order"
                 )
         if not self.is_last:
             self.transport.send_step_header(num_microbatches, step)
-        self.transport.post_header_receives(num_microbatches)
+        self.transport.post_header_receives(num_microbatches, backward=train)
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets: pipe.step(inputs, targets)")
@@ -294,22 +330,28 @@ class DistributedGPipe(nn.Module):
         else:
             self.stage.loss_scale = None
         self.stage.begin_step(step, num_microbatches)
-        schedule = self.schedule(num_microbatches)
-        self.runtime.run(schedule.actions[self.stage_index], state)
+        actions = self.schedule(num_microbatches).actions[self.stage_index]
+        if not train:
+            actions = tuple(a for a in actions if a.kind == "F")
+        self.runtime.run(actions, state)
         self.transport.finish()
         loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        outputs = None
         if self.is_last:
             for mb in range(num_microbatches):
                 loss += self.stage.losses.pop((step, mb)).double()
+            if keep_outputs:
+                outputs = gather([state.outputs[mb] for mb in range(num_microbatches)])
         self.stage.discard(step)
         try:
             dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
-            self._reduce_tied_gradient()
-            if self.data_parallel_group is not None:
-                self._average_data_parallel_gradients()
+            if train:
+                self._reduce_tied_gradient()
+                if self.data_parallel_group is not None:
+                    self._average_data_parallel_gradients()
         except RuntimeError as exc:  # a peer died between our last message and the collective
             raise PeerError(-1, -1, f"collective after the step failed ({exc})") from exc
-        return loss
+        return loss, outputs
 
     # -- failure ---------------------------------------------------------------------------
 

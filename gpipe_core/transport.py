@@ -182,11 +182,14 @@ class DistributedTransport(Transport):
         num_microbatches, step = header.tolist()
         return int(num_microbatches), int(step)
 
-    def post_header_receives(self, num_microbatches: int) -> None:
-        """Post this step's header receives from both neighbours at once (gloo only)."""
+    def post_header_receives(self, num_microbatches: int, *, backward: bool = True) -> None:
+        """Post this step's header receives from the neighbours at once (gloo only).
+
+        Activations come from the previous stage; gradients, when ``backward``, from the next.
+        """
         if not self.use_tags:
             return
-        neighbours = [self.stage_index - 1, self.stage_index + 1]
+        neighbours = [self.stage_index - 1] + ([self.stage_index + 1] if backward else [])
         for stage in neighbours:
             if 0 <= stage < len(self.stage_ranks):
                 queue = self._posted_headers.setdefault(stage, deque())

@@ -383,3 +383,33 @@ def test_a_dead_rank_is_named_by_the_survivor(tmp_path: Path) -> None:
     assert results[0][0] != 0
     assert "PipelineFailure" in results[0][1] and "peer rank 1 (stage 1)" in results[0][1]
     assert time.monotonic() - start < 60
+
+
+def run_evaluate(rank: int, world: int) -> Any:
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(p=0.2), [4, 4], chunks=3, loss_fn=loss_fn, schedule="1f1b")
+    (x, mask), y = make_batch(0)
+    pipe.eval()
+    loss, out = pipe.evaluate((x, mask), y, return_outputs=True)
+    pipe.train()
+    pipe.step((x, mask), y)  # training and evaluation interleave freely
+    loss_again, _ = pipe.evaluate((x, mask), y)
+    return float(loss), out, float(loss_again), pipe.steps_done
+
+
+def test_evaluate_is_a_forward_only_pass(tmp_path: Path) -> None:
+    per_rank = spawn(run_evaluate, 2, tmp_path)
+    torch.manual_seed(0)
+    model = build(p=0.2).eval()
+    (x, mask), y = make_batch(0)
+    with torch.no_grad():
+        out = model((x, mask))
+        expected = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(3), y.tensor_split(3),
+                                                      strict=True)) / 3
+    for rank, (loss, outputs, _, steps) in enumerate(per_rank):
+        assert loss == pytest.approx(float(expected), abs=TOL)
+        assert steps == 1
+        if rank == 1:
+            torch.testing.assert_close(outputs, out, rtol=0, atol=TOL)
+        else:
+            assert outputs is None
