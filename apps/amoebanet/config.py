@@ -44,7 +44,7 @@ class AmoebaNetConfig:
     shuffle_buffer: int = 5000  # samples held for shuffling (shards are shuffled too)
     skip_corrupt_shards: bool = False  # true: warn and skip a corrupt shard; false: stop naming it
     # augmentation (timm's create_transform); defaults suit 28x28: light crops and flips only
-    crop_scale_min: float = 0.7  # RandomResizedCrop lower area bound (timm default 0.08)
+    crop_scale_min: float = 0.85  # RandomResizedCrop lower area bound (timm default 0.08)
     hflip: float = 0.5  # horizontal flip probability
     color_jitter: float = 0.0  # brightness/contrast jitter (0 = off)
     auto_augment: str | None = None  # timm auto-augment policy, e.g. "rand-m9-mstd0.5"; None = off
