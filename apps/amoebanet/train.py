@@ -1,0 +1,706 @@
+"""Train AmoebaNet with DistributedGPipe under torchrun; report test top-1/top-5 at the end.
+
+    python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint 127.0.0.1:0 -m apps.amoebanet.train [--config=...] [--key=value ...] \
+        [--resume] [--max_steps=N]
+
+With no ``--config`` the CPU default ``configs/cpu_fashion_mnist.yaml`` is used (a bare name such
+as ``--config=tiny_test`` means ``configs/tiny_test.yaml``). Two run options sit beside the config
+keys: ``--resume`` continues from ``out_dir``'s latest checkpoint, and ``--max_steps=N`` stops after
+N optimizer steps without shortening the learning-rate schedule (for tests and smoke runs).
+
+Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final evaluation.
+The world is ``num_stages`` pipeline ranks times R data-parallel replicas (pipeline-major: ranks
+``r*K ... r*K+K-1`` are replica r). Only a replica's first stage reads images (replica r reads
+every R-th shard); it sends each batch's targets to its last stage, so the last stage decodes
+nothing. An epoch ends for everyone when any replica's shards run dry.
+
+``max_minutes`` bounds the whole run, data preparation and the final evaluation included: rank 0
+stops training when the time left would not cover the final evaluation (estimated from the last
+measured evaluation, or from the training throughput).
+
+``out_dir`` holds ``step-NNNNNNN/`` checkpoints (model shards keyed by the original module names,
+per-rank optimizer / scheduler / data-position / RNG state, ``run.json`` with the balance, and the
+resolved ``config.yaml``), a ``latest`` pointer, ``log.jsonl`` (one line per step),
+``eval_<split>.json`` + ``.png`` (top-1/top-5 and the confusion matrix) and ``summary.json``.
+``--resume`` continues exactly: the same batches, augmentations, drop-path masks, learning rates
+and optimizer moments as a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import sys
+import tarfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import gpipe_core as gp
+from apps.amoebanet.config import (
+    CONFIG_DIR,
+    DEFAULT_CONFIG,
+    AmoebaNetConfig,
+    build_model,
+    load_amoebanet_config,
+    optimizer_kwargs,
+    scheduler_kwargs,
+)
+from apps.amoebanet.data import (
+    Batch,
+    build_eval_loader,
+    build_mixup,
+    build_train_loader,
+    build_train_loss,
+    dataset_is_complete,
+    read_dataset_info,
+    shard_infos,
+)
+from apps.common import (
+    RunLogger,
+    checkpoint_dir,
+    publish_checkpoint,
+    resolve_checkpoint,
+)
+from apps.config import ConfigError, load_config, parse_overrides, save_config
+
+TRAIN_COMMAND = (
+    "python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
+    "--rdzv-endpoint 127.0.0.1:0 -m apps.amoebanet.train --out_dir={out_dir}"
+)
+# Models up to this size are balanced by the measured time of each layer on rank 0 (a full
+# copy is materialized for it); larger ones by parameter count, so no rank holds the whole model.
+PROFILE_MAX_PARAMETERS = 50_000_000
+# Config keys a resumed run may change: they touch neither the model nor the training stream.
+RESUMABLE_CHANGES = frozenset({
+    "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
+    "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards",
+})
+
+
+@dataclass
+class RunOptions:
+    """Options of one invocation that are not part of the model's config (not saved with it)."""
+
+    resume: bool = False  # continue from out_dir's latest checkpoint, exactly
+    max_steps: int = 0  # stop after this many optimizer steps (0 = at `epochs` or `max_minutes`)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+def parse_args(argv: Sequence[str]) -> tuple[RunOptions, AmoebaNetConfig]:
+    """Split ``--resume`` / ``--max_steps`` from the config keys; resolve and validate both."""
+    config_path, overrides = parse_overrides(argv)
+    run_keys = {f.name for f in dataclasses.fields(RunOptions)}
+    run = load_config(RunOptions, [f"--{k}={v}" for k, v in overrides.items() if k in run_keys])
+    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    if not path.is_file() and (CONFIG_DIR / f"{path.name}.yaml").is_file():
+        path = CONFIG_DIR / f"{path.name}.yaml"  # --config=tiny_test
+    config_argv = [f"--config={path}"]
+    config_argv += [f"--{k}={v}" for k, v in overrides.items() if k not in run_keys]
+    try:
+        config = load_amoebanet_config(config_argv)
+    except ConfigError as error:
+        raise ConfigError(f"{error}; run options: --resume, --max_steps=N") from None
+    if run.max_steps < 0:
+        raise ConfigError(f"max_steps={run.max_steps} must be >= 0 (0 = no limit)")
+    return run, config
+
+
+def changed_keys(saved: AmoebaNetConfig, config: AmoebaNetConfig) -> dict[str, tuple[Any, Any]]:
+    """Keys (saved, given) that differ and would change the model or the training stream."""
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(config)
+    return {k: (old[k], new[k]) for k in old if k not in RESUMABLE_CHANGES and old[k] != new[k]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def check_dataset(config: AmoebaNetConfig) -> None:
+    """Raise DatasetNotFoundError (naming the command that builds it) if a split is missing.
+
+    Fashion-MNIST is prepared by rank 0 instead, so it is checked only once it is complete.
+    """
+    if config.dataset == "fashion_mnist" and not dataset_is_complete(config.data_dir):
+        return
+    for split in (config.train_split, config.eval_split):
+        shard_infos(config, split)
+
+
+def prepare_fashion_mnist(config: AmoebaNetConfig) -> None:
+    """Build the Fashion-MNIST shards under ``data_dir`` unless they are complete (rank 0 only)."""
+    if config.dataset != "fashion_mnist" or dataset_is_complete(config.data_dir):
+        return
+    from data.fashion_mnist.prepare import prepare
+
+    print(f"preparing Fashion-MNIST in {config.data_dir} (once; about 30 s)", flush=True)
+    prepare(config.data_dir)
+
+
+def class_names(config: AmoebaNetConfig) -> list[str]:
+    """Class names in label order from dataset.json (``class<i>`` when it has none)."""
+    info = read_dataset_info(config)
+    classes = (info or {}).get("classes")
+    return list(classes) if classes else [f"class{i}" for i in range(config.num_classes)]
+
+
+def split_images(config: AmoebaNetConfig, split: str) -> int:
+    """Images in a split: from dataset.json, else by listing the shards' ``.cls`` members."""
+    info = read_dataset_info(config)
+    if info is not None:
+        return int(info["splits"][split]["images"])
+    total = 0
+    for shard in shard_infos(config, split):
+        with tarfile.open(shard.url) as tar:
+            total += sum(1 for name in tar.getnames() if name.endswith(".cls"))
+    return total
+
+
+def seed_process_rngs(*parts: object) -> None:
+    """Seed Python's, NumPy's and torch's global RNGs from ``parts`` (order matters)."""
+    seed = random.Random("-".join(map(str, parts))).randrange(2**31)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train_batches(
+    config: AmoebaNetConfig, epoch: int, *, skip: int, replica: int, num_replicas: int
+) -> Iterator[Batch]:
+    """The epoch's batches for one replica, after skipping the first ``skip`` (for resume).
+
+    The loader seeds shard order, shuffling, mixup and its workers' augmentation from
+    ``(seed, epoch)``. With ``num_workers=0`` timm's crops and flips draw from this process'
+    global RNGs instead, so those are seeded per epoch too; either way skipping ``skip`` batches
+    lands on exactly the state a run that never stopped had.
+    """
+    if config.num_workers == 0:
+        seed_process_rngs("augment", config.seed, epoch, replica)
+    loader = build_train_loader(config, epoch=epoch, dp_rank=replica, dp_size=num_replicas)
+    batches = iter(loader)
+    for _ in range(skip):
+        if next(batches, None) is None:
+            break
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+def choose_balance(
+    model: nn.Sequential, config: AmoebaNetConfig, device: torch.device
+) -> list[int]:
+    """Layers per stage: ``config.balance``, else by measured time (small models) or parameters.
+
+    Timing differs between processes, so only global rank 0 measures; every rank gets its result.
+    AmoebaNet's early cells work on large maps with few parameters, so balancing by parameters
+    would give the first stage most of the compute; the measured time of one micro-batch per
+    layer does not have that bias.
+    """
+    if config.balance is not None:
+        return list(config.balance)
+    num_params = sum(p.numel() for p in model.parameters())
+    if num_params > PROFILE_MAX_PARAMETERS:
+        return list(gp.balance_by_params(model, config.num_stages))
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        plain = gp.materialize(build_model(config, device="meta"), seed=config.seed,
+                               device=device)
+        micro_batch = max(1, config.batch_size // config.chunks)
+        sample = torch.randn(micro_batch, config.in_chans, config.image_size, config.image_size,
+                             device=device)
+        result[0] = list(gp.balance_by_time(plain, sample, config.num_stages))
+        del plain
+    dist.broadcast_object_list(result, src=0)
+    return list(result[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: top-1 / top-5 / confusion matrix (shared with scripts/eval_top1.py)
+
+
+class ClassificationMetrics:
+    """Running top-1 / top-5 counts, summed cross-entropy and the confusion matrix."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)  # [true, pred]
+        self.top5_correct = 0
+        self.loss_sum = 0.0
+
+    @torch.no_grad()
+    def update(self, logits: Tensor, labels: Tensor) -> None:
+        logits, labels = logits.detach().float().cpu(), labels.cpu()
+        k = min(5, self.num_classes)
+        top = logits.topk(k, dim=1).indices
+        self.top5_correct += int((top == labels[:, None]).any(dim=1).sum())
+        pairs = labels * self.num_classes + top[:, 0]
+        self.confusion += torch.bincount(pairs, minlength=self.num_classes**2).view(
+            self.num_classes, self.num_classes)
+        self.loss_sum += float(F.cross_entropy(logits.double(), labels, reduction="sum"))
+
+    @property
+    def images(self) -> int:
+        return int(self.confusion.sum())
+
+    def all_reduce(self, device: torch.device, group: Any = None) -> None:
+        """Sum the counts of every rank (ranks that saw nothing contribute zeros)."""
+        flat = torch.cat([self.confusion.flatten().double(),
+                          torch.tensor([self.top5_correct, self.loss_sum], dtype=torch.float64)])
+        flat = flat.to(device)
+        dist.all_reduce(flat, group=group)
+        flat = flat.cpu()
+        cells = self.num_classes**2
+        self.confusion = flat[:cells].round().long().view(self.num_classes, self.num_classes)
+        self.top5_correct = int(round(float(flat[cells])))
+        self.loss_sum = float(flat[cells + 1])
+
+    def report(self, classes: Sequence[str], *, split: str) -> dict[str, Any]:
+        n = max(self.images, 1)
+        per_class = self.confusion.diag().double() / self.confusion.sum(1).clamp(min=1).double()
+        return {
+            "split": split,
+            "images": self.images,
+            "top1": float(self.confusion.diag().sum()) / n,
+            "top5": self.top5_correct / n,
+            "loss": self.loss_sum / n,
+            "classes": list(classes),
+            "per_class_top1": {name: round(float(v), 4)
+                               for name, v in zip(classes, per_class, strict=True)},
+            "confusion": self.confusion.tolist(),  # rows: true class, columns: predicted
+        }
+
+
+def write_report(report: dict[str, Any], path: str | Path) -> tuple[Path, Path]:
+    """Write ``<path>.json`` and a confusion-matrix ``<path>.png``; return both paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = path.with_suffix(".json"), path.with_suffix(".png")
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    confusion = np.array(report["confusion"], dtype=np.int64)
+    rates = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)
+    classes = report["classes"]
+    size = max(5.0, 0.55 * len(classes) + 2.0)
+    fig, ax = plt.subplots(figsize=(size + 1.0, size))
+    image = ax.imshow(rates, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
+    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
+    ax.set_yticks(range(len(classes)), classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if len(classes) <= 20:
+        for i in range(len(classes)):
+            for j in range(len(classes)):
+                if confusion[i, j]:
+                    ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=7,
+                            color="white" if rates[i, j] > 0.5 else "black")
+    ax.set_title(f"{report['split']}: top-1 {100 * report['top1']:.2f}%, "
+                 f"top-5 {100 * report['top5']:.2f}% ({report['images']} images)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return json_path, png_path
+
+
+@dataclass
+class Comm:
+    """Where this rank sits: pipeline and data-parallel groups, and the tensors' device."""
+
+    pipeline_group: Any
+    data_group: Any
+    first_rank: int  # global rank of this replica's first stage
+    replica: int
+    num_replicas: int
+    device: torch.device  # collectives need device tensors under NCCL
+
+    def send_targets(self, targets: Tensor | None, like: Tensor) -> Tensor:
+        """The first stage's tensor, on every rank of the pipeline (``like`` gives shape)."""
+        buffer = (targets if targets is not None else like).to(self.device)
+        if dist.get_world_size(self.pipeline_group) > 1:
+            dist.broadcast(buffer, src=self.first_rank, group=self.pipeline_group)
+        return buffer
+
+
+def evaluate_pipeline(
+    pipe: gp.DistributedGPipe, config: AmoebaNetConfig, comm: Comm, split: str,
+    autocast: AbstractContextManager[Any],
+) -> ClassificationMetrics:
+    """Top-1 / top-5 on ``split`` through the pipeline (forward only, BatchNorm in eval mode).
+
+    Each replica's first stage reads its share of the split's shards and sends each batch's size
+    and labels to its last stage, which scores the logits; the counts are summed over the world.
+    """
+    pipe.eval()  # running BatchNorm statistics, no drop-path, and nothing committed
+    metrics = ClassificationMetrics(config.num_classes)
+    batches = None
+    if pipe.is_first:
+        batches = iter(build_eval_loader(config, split, dp_rank=comm.replica,
+                                         dp_size=comm.num_replicas))
+    while True:
+        batch = next(batches, None) if batches is not None else None
+        size = torch.tensor([len(batch[1]) if batch is not None else 0])  # 0: done
+        size = comm.send_targets(size, size)
+        if int(size[0]) == 0:
+            break
+        labels = comm.send_targets(batch[1] if batch is not None else None,
+                                   torch.empty(int(size[0]), dtype=torch.int64))
+        with autocast:
+            _, logits = pipe.evaluate(batch[0] if batch is not None else None,
+                                      labels if pipe.is_last else None, return_outputs=True)
+        if pipe.is_last:
+            metrics.update(logits, labels)
+    pipe.train()
+    metrics.all_reduce(comm.device)
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """Train; returns rank 0's summary (final top-1/top-5 included), None on other ranks."""
+    started = time.monotonic()
+
+    # --- config (errors here stop every rank before any process group exists) -------------
+    run, config = parse_args(sys.argv[1:] if argv is None else argv)
+    check_dataset(config)
+    torch.set_num_threads(1)  # one thread per rank: the stages are the parallelism on CPU
+    use_cuda = torch.cuda.is_available()
+    # generous: rank 0 may prepare the data while the others wait at a barrier
+    pipeline_group, data_group = gp.init_process_groups(
+        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=1800
+    )
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    num_replicas = world_size // config.num_stages
+    replica = rank // config.num_stages
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    comm = Comm(pipeline_group, data_group, replica * config.num_stages, replica, num_replicas,
+                device)
+    master = rank == 0
+    out_dir = Path(config.out_dir)
+    say = print if master else (lambda *args, **kwargs: None)
+
+    # --- data: Fashion-MNIST prepared once by rank 0; the others wait ---------------------
+    if master:
+        prepare_fashion_mnist(config)
+    dist.barrier()
+    check_dataset(config)
+    classes = class_names(config)
+    train_images = split_images(config, config.train_split)
+    updates_per_epoch = train_images // (config.batch_size * num_replicas)
+    if updates_per_epoch < 1:
+        raise ConfigError(
+            f"split {config.train_split!r} has {train_images} images, fewer than one step "
+            f"(batch_size={config.batch_size} x {num_replicas} replica(s)); lower batch_size"
+        )
+    train_loss = build_train_loss(config)
+    soft_targets = build_mixup(config) is not None  # mixup/cutmix: [B, classes] float targets
+
+    # --- resume: what the checkpoint fixes (balance, counters) ------------------------------
+    resume_dir: Path | None = None
+    state: dict[str, Any] = {}
+    if run.resume:
+        resume_dir = resolve_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
+            out_dir=out_dir))
+        saved = load_amoebanet_config([f"--config={resume_dir / 'config.yaml'}"])
+        differ = changed_keys(saved, config)
+        if differ:
+            raise ConfigError(
+                f"--resume from {resume_dir}: the config differs in {differ} (saved, given); "
+                "resume with the saved settings or start a new out_dir"
+            )
+        state_path = resume_dir / f"train-state-rank{rank:03d}.pt"
+        if not state_path.is_file():
+            raise ConfigError(
+                f"--resume: {state_path} is missing; resume with the world size the checkpoint "
+                f"was written with (this run has {world_size} ranks)"
+            )
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+    elif (out_dir / "latest").exists():
+        raise ConfigError(
+            f"out_dir={out_dir} already holds a run (see {out_dir / 'latest'}); pass --resume to "
+            "continue it, or another --out_dir"
+        )
+
+    # --- model: built on meta; each rank materializes only its own stage ------------------
+    model = build_model(config, device="meta")
+    num_params = sum(p.numel() for p in model.parameters())
+    balance = list(state["balance"]) if state else choose_balance(model, config, device)
+
+    def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+        # evaluation passes integer labels even when training mixes them into soft targets
+        if soft_targets and not targets.is_floating_point():
+            return F.cross_entropy(logits.float(), targets)
+        return train_loss(logits.float(), targets)
+
+    pipe = gp.DistributedGPipe(
+        model,
+        balance,
+        chunks=config.chunks,
+        checkpoint=config.checkpoint,
+        schedule=config.schedule,
+        loss_fn=loss_fn,
+        group=pipeline_group,
+        data_parallel_group=data_group if num_replicas > 1 else None,
+        device=device,
+        seed=config.seed,
+        deferred_batch_norm=True,  # per-micro-batch statistics, mini-batch running statistics
+        timeout_s=300,
+    )
+    del model
+
+    # --- optimizer and learning-rate schedule from timm's factories -----------------------
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+
+    # per-parameter optimizers (AdamW, RMSProp, SGD) on each stage's parameters equal one
+    # optimizer over the whole model; weight decay skips biases and BatchNorm as timm does
+    optimizer = create_optimizer_v2(pipe, **optimizer_kwargs(config))
+    scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(config, updates_per_epoch))
+    autocast: AbstractContextManager[Any] = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
+    )
+    say(
+        f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}): "
+        f"{num_params:,} parameters, {sum(balance)} layers; {config.num_stages} "
+        f"stages, balance {balance}, {config.chunks} micro-batches, schedule {config.schedule}, "
+        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {world_size} rank(s) on "
+        f"{device.type}; {config.dataset}: {train_images:,} train images, {updates_per_epoch} "
+        f"steps per epoch of {config.batch_size * num_replicas}"
+    )
+
+    # --- resume: weights, optimizer, scheduler, data position, RNGs -----------------------
+    step, epoch, batch_in_epoch, images_seen, train_seconds = 0, 0, 0, 0, 0.0
+    if resume_dir is not None:
+        pipe.load_checkpoint(resume_dir)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        images_seen, train_seconds = state["images_seen"], state["train_seconds"]
+        pipe.steps_done = state["pipe_steps"]  # seeds drop-path: must continue, not restart
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        say(f"resumed from {resume_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
+    dist.barrier()
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, out_dir / "config.yaml")
+    logger = RunLogger(config, out_dir, resume_step=step, enabled=master)
+
+    def save(step: int) -> Path:
+        """Checkpoint: shards (collective), per-rank state, config, run.json; then ``latest``."""
+        path = checkpoint_dir(out_dir, step)
+        pipe.save_checkpoint(path)
+        torch.save({
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            "epoch": epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "images_seen": images_seen,
+            "train_seconds": train_seconds,
+            "pipe_steps": pipe.steps_done,
+            "balance": balance,
+            "world_size": world_size,
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state()},
+        }, path / f"train-state-rank{rank:03d}.pt")
+        if master:
+            save_config(config, path / "config.yaml")
+            (path / "run.json").write_text(json.dumps({
+                "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                "balance": balance, "num_stages": config.num_stages, "world_size": world_size,
+                "classes": classes, "parameters": num_params,
+            }, indent=1) + "\n")
+        dist.barrier()
+        if master:
+            publish_checkpoint(out_dir, path)
+        return path
+
+    eval_seconds_per_image: float | None = None
+    eval_images = split_images(config, config.eval_split)
+
+    def run_eval(split: str) -> dict[str, Any]:
+        nonlocal eval_seconds_per_image
+        begin = time.monotonic()
+        metrics = evaluate_pipeline(pipe, config, comm, split, autocast)
+        eval_seconds_per_image = (time.monotonic() - begin) / max(metrics.images, 1)
+        return metrics.report(classes, split=split)
+
+    def final_eval_reserve(images_per_second: float) -> float:
+        """Seconds to keep for the final checkpoint and evaluation."""
+        per_image = eval_seconds_per_image
+        if per_image is None:  # forward only: assume 3x the training throughput
+            per_image = 1.0 / max(3.0 * images_per_second, 1e-3)
+        return 1.25 * eval_images * per_image + 60.0  # + start-up, checkpoint, wandb, exit
+
+    # --- training loop ----------------------------------------------------------------------
+    from tqdm import tqdm
+
+    total_steps = config.epochs * updates_per_epoch
+    if run.max_steps:
+        total_steps = min(total_steps, run.max_steps)
+    bar = tqdm(total=total_steps, initial=step, disable=not master, dynamic_ncols=True,
+               file=sys.stderr, mininterval=2.0, unit="step")
+    window_loss, window_steps, window_start = 0.0, 0, time.monotonic()
+    run_images_per_second = images_seen / train_seconds if train_seconds else 0.0
+    last_saved = step if run.resume else -1
+    stop_reason = ""
+    batch_shape = (config.batch_size, config.num_classes) if soft_targets else (config.batch_size,)
+    target_like = torch.empty(batch_shape, dtype=torch.float32 if soft_targets else torch.int64)
+    while epoch < config.epochs and not stop_reason:
+        batches = None
+        if pipe.is_first:
+            batches = train_batches(config, epoch, skip=batch_in_epoch, replica=replica,
+                                    num_replicas=num_replicas)
+        while True:
+            # stop: max_steps, or rank 0's clock (keeping time for the final evaluation)
+            tick = time.monotonic()  # training time counts loading, not checkpoints or evals
+            batch = next(batches, None) if batches is not None else None
+            keep_going = True
+            if master:
+                if run.max_steps and step >= run.max_steps:
+                    stop_reason = f"max_steps={run.max_steps}"
+                elif config.max_minutes:
+                    left = 60 * config.max_minutes - (time.monotonic() - started)
+                    if step > 0 and left < final_eval_reserve(run_images_per_second):
+                        stop_reason = f"max_minutes={config.max_minutes:g}"
+                keep_going = not stop_reason
+            # the epoch ends for everyone as soon as one replica's shards run dry
+            flags = torch.tensor([int(batch is not None or not pipe.is_first), int(keep_going)],
+                                 device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            if not flags[1]:
+                stop_reason = stop_reason or "stopped by rank 0"
+                break
+            if not flags[0]:
+                epoch, batch_in_epoch = epoch + 1, 0
+                break
+
+            # learning rate: timm's schedule is a function of the update count
+            scheduler.step_update(num_updates=step)
+            lr = optimizer.param_groups[0]["lr"]
+
+            # forward + backward through the pipeline; the targets travel first -> last stage
+            targets = comm.send_targets(batch[1] if batch is not None else None, target_like)
+            optimizer.zero_grad(set_to_none=True)
+            with autocast:
+                loss = pipe.step(batch[0] if batch is not None else None,
+                                 targets if pipe.is_last else None)
+            if num_replicas > 1:
+                dist.all_reduce(loss, group=data_group)
+                loss /= num_replicas
+            optimizer.step()
+            step += 1
+            batch_in_epoch += 1
+            images_seen += config.batch_size * num_replicas
+            train_seconds += time.monotonic() - tick
+            run_images_per_second = images_seen / max(train_seconds, 1e-9)
+
+            # log: every step to log.jsonl; every log_every steps the bar and wandb
+            loss_value = float(loss)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(
+                    f"loss is {loss_value} at step {step}; lower lr={config.lr} or raise "
+                    f"warmup_epochs={config.warmup_epochs}"
+                )
+            window_loss += loss_value
+            window_steps += 1
+            logger.step({"step": step, "epoch": epoch, "loss": loss_value, "lr": lr})
+            bar.update(1)
+            if step % config.log_every == 0:
+                elapsed = time.monotonic() - window_start
+                images_per_second = window_steps * config.batch_size * num_replicas / elapsed
+                logger.metrics({
+                    "train/loss": window_loss / window_steps,
+                    "train/lr": lr,
+                    "train/images_per_second": images_per_second,
+                    "train/epoch": step / updates_per_epoch,
+                    "train/minutes": train_seconds / 60,
+                }, step)
+                bar.set_postfix(loss=f"{window_loss / window_steps:.3f}",
+                                img_s=f"{images_per_second:.0f}", lr=f"{lr:.2e}",
+                                epoch=f"{step / updates_per_epoch:.2f}", refresh=False)
+                window_loss, window_steps, window_start = 0.0, 0, time.monotonic()
+
+        # end of an epoch: checkpoint, and evaluate every eval_every_epochs (not after the last:
+        # the final evaluation follows the loop)
+        if batch_in_epoch == 0 and not stop_reason and step != last_saved:
+            save(step)
+            last_saved = step
+            due = config.eval_every_epochs and epoch % config.eval_every_epochs == 0
+            if due and epoch < config.epochs:
+                report = run_eval(config.eval_split)
+                if master:
+                    bar.write(f"epoch {epoch}: {config.eval_split} top-1 "
+                              f"{100 * report['top1']:.2f}% top-5 {100 * report['top5']:.2f}% "
+                              f"loss {report['loss']:.4f}")
+                logger.metrics({f"{config.eval_split}/top1": report["top1"],
+                                f"{config.eval_split}/top5": report["top5"],
+                                f"{config.eval_split}/loss": report["loss"]}, step)
+            window_start = time.monotonic()  # the images/s window excludes checkpoint and eval
+    bar.close()
+
+    # --- final checkpoint and evaluation through the pipeline -----------------------------
+    path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
+    say(
+        f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} images) "
+        f"in {train_seconds / 60:.1f} min, {images_seen / max(train_seconds, 1e-9):.0f} "
+        f"images/s; stopped by {stop_reason or f'epochs={config.epochs}'}; checkpoint {path}"
+    )
+    report = run_eval(config.eval_split)
+    summary = None
+    if master:
+        write_report(report, out_dir / f"eval_{config.eval_split}")
+        summary = {
+            "steps": step,
+            "epochs": round(step / updates_per_epoch, 3),
+            "images": images_seen,
+            "images_per_second": round(images_seen / max(train_seconds, 1e-9), 1),
+            "train_minutes": round(train_seconds / 60, 2),
+            "total_minutes": round((time.monotonic() - started) / 60, 2),
+            "stopped_by": stop_reason or f"epochs={config.epochs}",
+            "balance": balance,
+            "parameters": num_params,
+            "checkpoint": str(path),
+            "split": config.eval_split,
+            "top1": report["top1"],
+            "top5": report["top5"],
+            "loss": report["loss"],
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        logger.metrics({f"{config.eval_split}/final_top1": report["top1"],
+                        f"{config.eval_split}/final_top5": report["top5"]}, step)
+        say(f"{config.eval_split} top-1: {100 * report['top1']:.2f}%  top-5: "
+            f"{100 * report['top5']:.2f}%  ({report['images']:,} images; "
+            f"total wall time {summary['total_minutes']} min)")
+    logger.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

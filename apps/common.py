@@ -1,0 +1,127 @@
+"""Pieces both apps' train scripts share: run logging (log.jsonl + wandb) and checkpoint folders.
+
+A run's ``out_dir`` holds ``step-NNNNNNN/`` checkpoint folders, a ``latest`` file naming the
+newest complete one (written only after every rank's files are on disk), ``log.jsonl`` (one line
+per training step) and ``wandb_id`` (so a resumed run continues the same wandb run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
+LATEST = "latest"
+
+
+class CheckpointError(FileNotFoundError):
+    """No checkpoint where one was expected; the message says which command writes one."""
+
+
+def checkpoint_dir(out_dir: Path, step: int) -> Path:
+    """The folder of the checkpoint taken after ``step`` optimizer steps."""
+    return out_dir / f"step-{step:07d}"
+
+
+def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINTS) -> None:
+    """Point ``latest`` at ``path`` (atomically) and delete all but the ``keep`` newest steps.
+
+    Call on one rank, after a barrier that follows every rank's writes.
+    """
+    tmp = out_dir / f"{LATEST}.tmp"
+    tmp.write_text(path.name + "\n")
+    os.replace(tmp, out_dir / LATEST)
+    older = sorted(p for p in out_dir.glob("step-*") if p.is_dir() and p != path)
+    for old in older[: max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path, *, train_command: str) -> Path:
+    """The checkpoint folder behind ``path``: a run's out_dir (via ``latest``) or a step folder.
+
+    ``train_command`` is quoted in the error when there is none (how to write one).
+    """
+    path = Path(path)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    if not (path / "index.json").is_file():
+        raise CheckpointError(
+            f"no checkpoint at {path} (neither {path / LATEST} nor {path / 'index.json'} "
+            f"exists); train one with `{train_command}`"
+        )
+    return path
+
+
+class RunLogger:
+    """Rank 0's sinks: ``log.jsonl`` (one record per step), wandb, nothing on other ranks.
+
+    ``config`` is the app's config dataclass; it needs ``wandb_mode`` ("offline", "online" or
+    "disabled") and ``wandb_project``. Offline becomes online when ``WANDB_API_KEY`` is set.
+    On resume, records after the resumed step (written by a run that crashed after its last
+    checkpoint) are dropped so the log reads as one uninterrupted run.
+    """
+
+    def __init__(self, config: Any, out_dir: Path, *, resume_step: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.run: Any = None
+        if not enabled:
+            return
+        self.path = out_dir / "log.jsonl"
+        if resume_step and self.path.exists():
+            kept = [
+                line for line in self.path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= resume_step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.file = self.path.open("a")
+        mode: Any = config.wandb_mode
+        if mode == "offline" and os.environ.get("WANDB_API_KEY"):
+            mode = "online"  # a key means the user wants the run online
+        if mode != "disabled":
+            try:
+                import wandb
+
+                self.run = wandb.init(
+                    project=config.wandb_project,
+                    config=dataclasses.asdict(config),
+                    dir=str(out_dir),
+                    mode=mode,
+                    resume="allow",
+                    id=wandb_run_id(out_dir),
+                )
+            except Exception as error:  # noqa: BLE001 - logging must not stop training
+                print(f"warning: wandb disabled ({type(error).__name__}: {error})", file=sys.stderr)
+                self.run = None
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Append one step's record to log.jsonl."""
+        if self.enabled:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def metrics(self, metrics: dict[str, Any], step: int) -> None:
+        """Send metrics to wandb (if on)."""
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.run is not None:
+                self.run.finish()
+
+
+def wandb_run_id(out_dir: Path) -> str:
+    """One wandb run id per out_dir, so a resumed run continues the same wandb run."""
+    path = out_dir / "wandb_id"
+    if not path.exists():
+        path.write_text(secrets.token_hex(4))
+    return path.read_text().strip()
