@@ -125,6 +125,13 @@ def count_tokens(batch: Batch, pad_id: int) -> tuple[int, int]:
     return int(batch.src.ne(pad_id).sum()), int(batch.tgt_out.ne(pad_id).sum())
 
 
+def loss_normalizer(target_tokens: int, num_replicas: int) -> float:
+    """What each replica divides its summed loss by, so that the step's loss and gradients are
+    the mean over *all* replicas' target tokens: DistributedGPipe averages data-parallel
+    gradients over the R replicas, so each divides by (all target tokens) / R."""
+    return target_tokens / num_replicas
+
+
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return out_dir / f"step-{step:07d}"
 
@@ -155,7 +162,7 @@ class Logger:
         elif self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
-        mode = config.wandb_mode
+        mode: Any = config.wandb_mode
         if mode == "offline" and os.environ.get("WANDB_API_KEY"):
             mode = "online"  # a key means the user wants the run online
         if mode != "disabled":
@@ -384,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()
     loop_start = time.monotonic() - train_seconds
     last_saved = step if config.resume else -1
-    stop = torch.zeros(1, dtype=torch.int64)
+    stop = torch.zeros(1, dtype=torch.int64, device=device)  # NCCL broadcasts device tensors
     while True:
         # stop: at max_steps or max_minutes; rank 0's clock decides for everyone
         if master:
@@ -412,8 +419,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             loss = pipe.step(
                 (batch.src, batch.tgt_in) if pipe.is_first else None,
                 batch.tgt_out if pipe.is_last else None,
-                # data-parallel gradients are averaged over R replicas: scale back to a sum
-                normalizer=target_tokens / num_replicas,
+                normalizer=loss_normalizer(target_tokens, num_replicas),
             )
         if num_replicas > 1:
             dist.all_reduce(loss, group=data_group)
@@ -455,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 tok_s=f"{metrics['train/tokens_per_second']:.0f}",
                 lr=f"{lr:.2e}",
                 logit=f"{stats.get('max_abs_logit', float('nan')):.1f}",
+                min=f"{train_seconds / 60:.1f}",
                 refresh=False,
             )
             window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()

@@ -266,3 +266,33 @@ def test_learning_rate_warms_up_then_decays() -> None:
     assert train.learning_rate(config, 399) == pytest.approx(5e-4)  # sqrt(100 / 400)
     constant = replace(config, lr_schedule="constant")
     assert train.learning_rate(constant, 10_000) == pytest.approx(1e-3)
+
+
+def run_data_parallel_nmt(rank: int, world_size: int) -> Any:
+    """2 stages x 2 replicas: replica r trains on half r of the batch."""
+    config, (src, tgt_in), targets, tokens = nmt_problem()
+    pipeline_group, data_group = gp.init_process_groups(2)
+    replica = rank // 2
+    rows = slice(0, 3) if replica == 0 else slice(3, 6)
+    pipe = gp.DistributedGPipe(double_model(config), [3, 3], chunks=2, loss_fn=nmt_loss_fn(config),
+                               loss_reduction="sum", seed=11, group=pipeline_group,
+                               data_parallel_group=data_group)
+    loss = pipe.step((src[rows], tgt_in[rows]) if pipe.is_first else None,
+                     targets[rows] if pipe.is_last else None,
+                     normalizer=train.loss_normalizer(tokens, 2))
+    torch.distributed.all_reduce(loss, group=data_group)  # as train.py: the step's loss
+    return float(loss) / 2, {name: p.grad.clone() for name, p in pipe.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_data_parallel_replicas_give_the_whole_batch_gradient(tmp_path: Path) -> None:
+    config, inputs, targets, tokens = nmt_problem()
+    plain = double_model(config)
+    plain_loss = nmt_loss_fn(config)(plain(inputs), targets) / tokens
+    plain_loss.backward()
+    expected = {name: p.grad for name, p in plain.named_parameters()}
+    for loss, grads in spawn(run_data_parallel_nmt, 4, tmp_path, timeout_s=180):
+        assert loss == pytest.approx(plain_loss.item(), abs=1e-10)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-10, msg=name)
