@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from apps import common
+from apps.common import CheckpointError
 from apps.nmt.config import NMTConfig, build_model
 from apps.nmt.data import (
     RESOURCE_BUCKETS,
@@ -40,10 +42,6 @@ __all__ = [
 Report = dict[str, Any]
 
 
-class CheckpointError(FileNotFoundError):
-    """A checkpoint that is missing or does not fit the corpus; the message says the fix."""
-
-
 @dataclass
 class Sentence:
     """One evaluation pair: its language, source ids (tag first), raw source and reference."""
@@ -58,18 +56,14 @@ class Sentence:
 # Checkpoints
 
 
+TRAIN_COMMAND = (
+    "python -m torch.distributed.run --standalone --nproc-per-node 2 -m apps.nmt.train"
+)
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory behind ``path``: a run's out_dir (its ``latest``) or a step dir."""
-    path = Path(path)
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    if not (path / "index.json").is_file():
-        raise CheckpointError(
-            f"no checkpoint at {path} (neither {path / 'latest'} nor {path / 'index.json'} "
-            "exists); train one with `python -m torch.distributed.run --standalone "
-            f"--nproc-per-node 2 -m apps.nmt.train --out_dir={path}`"
-        )
-    return path
+    return common.resolve_checkpoint(path, train_command=f"{TRAIN_COMMAND} --out_dir={path}")
 
 
 def load_model(config: NMTConfig, checkpoint_dir: str | Path, device: torch.device) -> nn.Sequential:

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import gpipe_core as gp
+from apps.common import RunLogger, checkpoint_dir, publish_checkpoint
 from apps.config import ConfigError, save_config
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, model_kwargs, replace
 from apps.nmt.data import Batch, TrainBatches, load_manifest, load_tokenizer
@@ -46,9 +46,6 @@ from apps.nmt.evaluate import (
     write_report,
 )
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
-
-KEEP_CHECKPOINTS = 2  # step directories kept in out_dir (the newest ones)
-
 
 # ---------------------------------------------------------------------------------------------
 # Helpers (the loop below reads top to bottom; these keep it short)
@@ -132,79 +129,12 @@ def loss_normalizer(target_tokens: int, num_replicas: int) -> float:
     return target_tokens / num_replicas
 
 
-def checkpoint_dir(out_dir: Path, step: int) -> Path:
-    return out_dir / f"step-{step:07d}"
-
-
 def model_config_differs(saved: NMTConfig, config: NMTConfig) -> dict[str, tuple[Any, Any]]:
     """Fields that shape the model or the data stream and differ between two configs."""
     keys = [*model_kwargs(config), "seed", "max_tokens", "max_len", "sampling_temperature",
             "languages", "data_dir", "num_stages", "chunks", "optimizer"]
     old, new = dataclasses.asdict(saved), dataclasses.asdict(config)
     return {k: (old[k], new[k]) for k in keys if old[k] != new[k]}
-
-
-class Logger:
-    """Rank 0's sinks: ``log.jsonl`` (one line per step), wandb, and printed lines."""
-
-    def __init__(self, config: NMTConfig, out_dir: Path, resume_step: int, enabled: bool) -> None:
-        self.enabled = enabled
-        self.run: Any = None
-        if not enabled:
-            return
-        self.path = out_dir / "log.jsonl"
-        if resume_step and self.path.exists():  # drop lines a crashed run wrote after its checkpoint
-            kept = [
-                line for line in self.path.read_text().splitlines()
-                if line and json.loads(line).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        elif self.path.exists():
-            self.path.unlink()
-        self.file = self.path.open("a")
-        mode: Any = config.wandb_mode
-        if mode == "offline" and os.environ.get("WANDB_API_KEY"):
-            mode = "online"  # a key means the user wants the run online
-        if mode != "disabled":
-            try:
-                import wandb
-
-                self.run = wandb.init(
-                    project=config.wandb_project,
-                    config=dataclasses.asdict(config),
-                    dir=str(out_dir),
-                    mode=mode,
-                    resume="allow",
-                    id=_wandb_id(out_dir),
-                )
-            except Exception as error:  # noqa: BLE001 - logging must not stop training
-                print(f"warning: wandb disabled ({type(error).__name__}: {error})", file=sys.stderr)
-                self.run = None
-
-    def step(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def metrics(self, metrics: dict[str, Any], step: int) -> None:
-        if self.run is not None:
-            self.run.log(metrics, step=step)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-            if self.run is not None:
-                self.run.finish()
-
-
-def _wandb_id(out_dir: Path) -> str:
-    """One wandb run id per out_dir, so a resumed run continues the same wandb run."""
-    path = out_dir / "wandb_id"
-    if not path.exists():
-        import secrets
-
-        path.write_text(secrets.token_hex(4))
-    return path.read_text().strip()
 
 
 def stage_stats(pipe: gp.DistributedGPipe) -> dict[str, float]:
@@ -340,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, out_dir / "config.yaml")
-    logger = Logger(config, out_dir, step, enabled=master)
+    logger = RunLogger(config, out_dir, resume_step=step, enabled=master)
 
     def save(step: int) -> Path:
         """Checkpoint: shards (collective), per-rank state, config, tokenizer; then ``latest``."""
@@ -365,11 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             }) + "\n")
         dist.barrier()
         if master:
-            (out_dir / "latest.tmp").write_text(path.name + "\n")
-            os.replace(out_dir / "latest.tmp", out_dir / "latest")
-            older = sorted(p for p in out_dir.glob("step-*") if p.is_dir() and p != path)
-            for old in older[: max(0, len(older) - (KEEP_CHECKPOINTS - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
+            publish_checkpoint(out_dir, path)
         return path
 
     def run_eval(path: Path, max_per_lang: int | None) -> dict[str, Any] | None:
