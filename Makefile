@@ -35,14 +35,14 @@ train-nmt: install
 	$(TORCHRUN) -m apps.nmt.train $(ARGS)
 
 eval-nmt: install
-	$(PY) scripts/eval_bleu.py --ckpt out/nmt --split test $(ARGS)
+	$(PY) scripts/eval_bleu.py --ckpt runs/nmt --split test $(ARGS)
 
 # The paper's first application: Fashion-MNIST from Debian, AmoebaNet-D on 2 pipeline stages.
 train-amoebanet: install
 	$(TORCHRUN) -m apps.amoebanet.train $(ARGS)
 
 eval-amoebanet: install
-	$(PY) scripts/eval_top1.py --ckpt out/amoebanet --split test $(ARGS)
+	$(PY) scripts/eval_top1.py --ckpt runs/amoebanet --split test $(ARGS)
 
 # Both apps end to end on tiny configs with 2 pipeline ranks, in a few minutes.
 smoke: install
