@@ -168,6 +168,24 @@ def test_train_checkpoint_exact_resume_and_top1(shards: Path, tmp_path: Path) ->
     assert confusion.tolist() == final["confusion"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_data_parallel_replicas_read_their_own_shards(shards: Path, tmp_path: Path) -> None:
+    """2 stages x 2 replicas: replica r reads every 2nd shard; the epoch ends when one runs dry."""
+    out_dir = tmp_path / "dp"
+    output = torchrun(tiny_args(shards, out_dir, epochs=1, mixup=0.0, num_workers=0), nproc=4)
+    assert "2 replica(s), 4 rank(s)" in output
+    summary = json.loads((out_dir / "summary.json").read_text())
+    # the 3 train shards of 16 images split 2 + 1: the second replica has 2 batches of 8
+    assert summary["steps"] == 2 and summary["images"] == 2 * 2 * 8
+    checkpoint = latest(out_dir)
+    assert sorted(p.name for p in checkpoint.glob("shard-*")) == [
+        "shard-000-of-002.pt", "shard-001-of-002.pt"]  # one copy of the weights
+    assert len(list(checkpoint.glob("train-state-rank*.pt"))) == 4
+    # each replica scores its own test shard; together every test image once
+    assert json.loads((out_dir / "eval_test.json").read_text())["images"] == TEST_IMAGES
+
+
 # ---------------------------------------------------------------------------------------------
 # Plain model == GPipe == DistributedGPipe on a small AmoebaNet with BatchNorm (float64)
 
