@@ -311,7 +311,7 @@ class DistributedGPipe(nn.Module):
                 )
         if not self.is_last:
             self.transport.send_step_header(num_microbatches, step)
-        self.transport.post_header_receives(num_microbatches, backward=train)
+        self.transport.expect_messages(num_microbatches, backward=train)
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets: pipe.step(inputs, targets)")

@@ -10,22 +10,23 @@ tensor or None per tensor leaf. Shapes and dtypes may change from one micro-batc
 - :class:`DistributedTransport`: one stage per process, point-to-point ``torch.distributed``
   messages (gloo on CPU, NCCL on GPU).
 
-Wire format of one distributed message (all on the stage's device)::
+Wire format: one distributed message per transfer, a byte buffer on the stage's device::
 
-    header  int64[HEADER_SIZE]: [skeleton_bytes, num_tensors, num_microbatches,
-                                 (dtype, requires_grad, ndim, *shape) per tensor ...]
-    skeleton  uint8[skeleton_bytes]  pickled nesting and non-tensor leaves; sent only when it
-                                     differs from the previous message on this channel
-    tensors   one message per tensor leaf, in order
+    int64 prefix  [total_bytes, kind=DATA, num_meta_ints, skeleton_bytes]
+    int64 meta    (dtype, requires_grad, ndim, *shape) per tensor leaf
+    skeleton      pickled nesting and non-tensor leaves; only when it differs from the last one
+    tensors       each tensor's bytes, 16-byte aligned; received tensors are views of the buffer
+
+A receive must be posted with the message's exact size, which both sides predict the same way:
+the size of the previous message on the same channel. When a message's size differs from that
+prediction (the first message, a new sequence length, an uneven last micro-batch), the sender
+first sends a RESIZE message of the predicted size that announces the new one. With gloo the
+receiver posts the next receive as soon as the current one arrives, so a message lands in a
+waiting buffer and every transfer is a single message: no header round trip per micro-batch.
+NCCL ignores tags and matches messages in order, so there receives are posted when needed.
 
 Sends are asynchronous (``isend``) and complete by :meth:`Transport.finish`; receives wait at
 most ``timeout_s`` seconds, so a dead or stuck neighbour turns into an error, never a hang.
-
-With gloo, headers, skeletons and tensors travel under different tags, and a stage posts the
-receives of all its headers for a step as soon as it knows the number of micro-batches: a
-neighbour's header then lands in a waiting buffer instead of waiting for a handshake, and only
-the tensors (whose shapes the header gives) cost one. NCCL ignores tags and matches messages in
-order, so there every receive is posted when it is needed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import datetime
 import pickle
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,15 +123,31 @@ class PeerError(RuntimeError):
         self.peer_stage = peer_stage
 
 
-HEADER_SIZE = 256
+_ALIGN = 16
+_PREFIX_BYTES = 32  # four int64: total bytes, kind, meta ints, skeleton bytes
+_KIND_DATA, _KIND_RESIZE = 0, 1
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _TENSOR = "__tensor__"  # stands for a tensor leaf in the pickled skeleton
-# Tags (gloo): step headers and tied weights, message headers, skeletons, tensors.
-_TAG_CONTROL, _TAG_HEADER, _TAG_SKELETON, _TAG_TENSOR = 0, 1, 2, 3
+# Tags (gloo): step headers and tied weights; activations and gradients.
+_TAG_CONTROL, _TAG_DATA = 0, 1
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Channel:
+    """Messages with one neighbour in one direction: the size both sides expect next."""
+
+    def __init__(self) -> None:
+        self.predicted = _PREFIX_BYTES
+        self.skeleton: Any = None  # last skeleton sent (bytes) or received (parsed)
+        self.posted: tuple[Any, Tensor] | None = None  # a receive already waiting (gloo)
+        self.remaining = 0  # messages still expected this step
 
 
 class DistributedTransport(Transport):
@@ -152,9 +168,8 @@ class DistributedTransport(Transport):
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pending: list[Any] = []  # (work, buffers) of sends in flight
-        self._sent_skeleton: dict[int, bytes] = {}
-        self._recv_skeleton: dict[int, Any] = {}
-        self._posted_headers: dict[int, deque[tuple[Any, Tensor]]] = {}
+        self._send_channels: dict[int, _Channel] = {}
+        self._recv_channels: dict[int, _Channel] = {}
         self.use_tags = dist.get_backend() == "gloo"
 
     # -- public ----------------------------------------------------------------------------
@@ -182,21 +197,16 @@ class DistributedTransport(Transport):
         num_microbatches, step = header.tolist()
         return int(num_microbatches), int(step)
 
-    def post_header_receives(self, num_microbatches: int, *, backward: bool = True) -> None:
-        """Post this step's header receives from the neighbours at once (gloo only).
-
-        Activations come from the previous stage; gradients, when ``backward``, from the next.
-        """
-        if not self.use_tags:
-            return
+    def expect_messages(self, num_microbatches: int, *, backward: bool = True) -> None:
+        """Announce this step's messages: activations from the previous stage and, when
+        ``backward``, gradients from the next; with gloo, post the first receive of each."""
         neighbours = [self.stage_index - 1] + ([self.stage_index + 1] if backward else [])
         for stage in neighbours:
             if 0 <= stage < len(self.stage_ranks):
-                queue = self._posted_headers.setdefault(stage, deque())
-                for _ in range(num_microbatches):
-                    buffer = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
-                    work = dist.irecv(buffer, src=self.stage_ranks[stage], tag=_TAG_HEADER)
-                    queue.append((work, buffer))
+                channel = self._recv_channels.setdefault(stage, _Channel())
+                channel.remaining = num_microbatches
+                if self.use_tags and channel.posted is None:
+                    channel.posted = self._post_recv(stage, channel.predicted)
 
     def send_tensor(self, tensor: Tensor, stage: int) -> None:
         """Send one tensor of known shape to ``stage`` (used for tied-parameter gradients)."""
@@ -236,65 +246,108 @@ class DistributedTransport(Transport):
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"receive failed ({exc})") from exc
 
-    def _recv_header(self, stage: int) -> Tensor:
-        queue = self._posted_headers.get(stage)
-        if not queue:
-            header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
-            self._irecv_wait([header], stage, _TAG_HEADER)
-            return header
-        work, header = queue.popleft()
+    def _post_recv(self, stage: int, nbytes: int) -> tuple[Any, Tensor]:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        rank = self.stage_ranks[stage]
+        try:
+            work = dist.irecv(buffer, src=rank, tag=_TAG_DATA if self.use_tags else 0)
+        except RuntimeError as exc:
+            raise PeerError(rank, stage, f"receive failed ({exc})") from exc
+        return work, buffer
+
+    def _wait(self, posted: tuple[Any, Tensor], stage: int) -> Tensor:
+        work, buffer = posted
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            raise PeerError(self.stage_ranks[stage], stage, f"receive failed ({exc})") from exc
-        return header
+            rank = self.stage_ranks[stage]
+            raise PeerError(rank, stage, f"receive failed ({exc})") from exc
+        return buffer
 
     def _send(self, stage: int, payload: Any) -> None:
+        channel = self._send_channels.setdefault(stage, _Channel())
         leaves, spec = flatten(payload)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         skeleton = pickle.dumps((spec, [_TENSOR if isinstance(x, Tensor) else x for x in leaves]))
-        send_skeleton = self._sent_skeleton.get(stage) != skeleton
-        header = [len(skeleton) if send_skeleton else 0, len(tensors), 0]
+        if skeleton == channel.skeleton:
+            skeleton_bytes = b""
+        else:
+            skeleton_bytes = skeleton
+            channel.skeleton = skeleton
+        meta: list[int] = []
         for tensor in tensors:
             if tensor.dtype not in _DTYPE_CODE:
                 raise TypeError(f"cannot send a tensor of dtype {tensor.dtype} between stages")
-            header += [_DTYPE_CODE[tensor.dtype], int(tensor.requires_grad), tensor.dim()]
-            header += list(tensor.shape)
-        if len(header) > HEADER_SIZE:
-            raise ValueError(
-                f"a message of {len(tensors)} tensors needs a {len(header)}-slot header, more "
-                f"than {HEADER_SIZE}; pass fewer or lower-dimensional tensors between stages"
-            )
-        header += [0] * (HEADER_SIZE - len(header))
-        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), stage, _TAG_HEADER)
-        if send_skeleton:
-            self._sent_skeleton[stage] = skeleton
-            data = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8).to(self.device)
-            self._isend(data, stage, _TAG_SKELETON)
+            meta += [_DTYPE_CODE[tensor.dtype], int(tensor.requires_grad), tensor.dim()]
+            meta += list(tensor.shape)
+        offset = _aligned(_PREFIX_BYTES + 8 * len(meta) + len(skeleton_bytes))
+        offsets = []
         for tensor in tensors:
-            self._isend(tensor.detach().to(self.device).contiguous(), stage, _TAG_TENSOR)
+            offsets.append(offset)
+            offset = _aligned(offset + tensor.numel() * tensor.element_size())
+        total = offset
+        if total != channel.predicted:  # announce the new size in a message of the old one
+            resize = torch.zeros(channel.predicted, dtype=torch.uint8, device=self.device)
+            resize[:16].view(torch.int64).copy_(torch.tensor([total, _KIND_RESIZE]))
+            self._isend(resize, stage, _TAG_DATA)
+            channel.predicted = total
+        packed = torch.empty(total, dtype=torch.uint8, device=self.device)
+        head = torch.tensor([total, _KIND_DATA, len(meta), len(skeleton_bytes), *meta],
+                            dtype=torch.int64)
+        packed[: 8 * head.numel()].view(torch.int64).copy_(head)
+        if skeleton_bytes:
+            start = 8 * head.numel()
+            packed[start : start + len(skeleton_bytes)].copy_(
+                torch.frombuffer(bytearray(skeleton_bytes), dtype=torch.uint8)
+            )
+        for tensor, start in zip(tensors, offsets, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            packed[start : start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(
+                tensor.detach()
+            )
+        self._isend(packed, stage, _TAG_DATA)
 
     def _recv(self, stage: int) -> Any:
-        header = self._recv_header(stage).tolist()
-        skeleton_bytes, num_tensors = int(header[0]), int(header[1])
-        if skeleton_bytes:
-            data = torch.empty(skeleton_bytes, dtype=torch.uint8, device=self.device)
-            self._irecv_wait([data], stage, _TAG_SKELETON)
-            self._recv_skeleton[stage] = pickle.loads(data.cpu().numpy().tobytes())
-        spec, kinds = self._recv_skeleton[stage]
-        buffers: list[Tensor] = []
-        flags: list[bool] = []
-        pos = 3
-        for _ in range(num_tensors):
-            dtype, requires_grad, ndim = header[pos], header[pos + 1], header[pos + 2]
-            shape = header[pos + 3 : pos + 3 + ndim]
+        channel = self._recv_channels.setdefault(stage, _Channel())
+        posted, channel.posted = channel.posted, None
+        if posted is None:
+            posted = self._post_recv(stage, channel.predicted)
+        buffer = self._wait(posted, stage)
+        total, kind, num_meta, skeleton_len = buffer[:_PREFIX_BYTES].view(torch.int64).tolist()
+        if kind == _KIND_RESIZE:
+            channel.predicted = total
+            buffer = self._wait(self._post_recv(stage, total), stage)
+            total, kind, num_meta, skeleton_len = (
+                buffer[:_PREFIX_BYTES].view(torch.int64).tolist()
+            )
+        channel.remaining -= 1
+        if self.use_tags and channel.remaining > 0:  # the next message finds a waiting buffer
+            channel.posted = self._post_recv(stage, channel.predicted)
+        meta_end = _PREFIX_BYTES + 8 * num_meta
+        meta = buffer[_PREFIX_BYTES:meta_end].view(torch.int64).tolist()
+        if skeleton_len:
+            raw = buffer[meta_end : meta_end + skeleton_len].cpu().numpy().tobytes()
+            channel.skeleton = pickle.loads(raw)
+        spec, kinds = channel.skeleton
+        offset = _aligned(meta_end + skeleton_len)
+        tensors: list[Tensor] = []
+        pos = 0
+        while pos < len(meta):
+            dtype, requires_grad, ndim = meta[pos], meta[pos + 1], meta[pos + 2]
+            shape = meta[pos + 3 : pos + 3 + ndim]
             pos += 3 + ndim
-            buffers.append(torch.empty(shape, dtype=_DTYPES[dtype], device=self.device))
-            flags.append(bool(requires_grad))
-        if buffers:
-            self._irecv_wait(buffers, stage, _TAG_TENSOR)
-        tensors = iter(
-            b.requires_grad_(True) if flag else b for b, flag in zip(buffers, flags, strict=True)
-        )
-        leaves = [next(tensors) if kind == _TENSOR else kind for kind in kinds]
+            dtype_ = _DTYPES[dtype]
+            nbytes = _numel(shape) * dtype_.itemsize
+            tensor = buffer[offset : offset + nbytes].view(dtype_).view(shape).detach()
+            tensors.append(tensor.requires_grad_(True) if requires_grad else tensor)
+            offset = _aligned(offset + nbytes)
+        values = iter(tensors)
+        leaves = [next(values) if kind_ == _TENSOR else kind_ for kind_ in kinds]
         return unflatten(leaves, spec)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
