@@ -270,7 +270,9 @@ class DistributedGPipe(nn.Module):
 
         Runs the schedule's forward actions; outputs (gathered over micro-batches) are returned
         on the last stage when ``return_outputs``, else None. Does not advance ``steps_done``,
-        so evaluating does not change the random streams of later training steps.
+        so evaluating does not change the random streams of later training steps. It does not
+        switch modes either: call ``pipe.eval()`` first (or BatchNorm layers in training mode
+        fold the evaluation batches into their running statistics) and ``pipe.train()`` after.
         """
         with torch.no_grad():
             return self._guarded(inputs, targets, normalizer, train=False,
