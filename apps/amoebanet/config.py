@@ -60,7 +60,7 @@ class AmoebaNetConfig:
     chunks: int = 4  # M: micro-batches per mini-batch
     schedule: str = "gpipe"  # "gpipe" (fill-drain) or "1f1b"
     checkpoint: str = "except_last"  # re-materialization: "always" | "except_last" | "never"
-    balance: tuple[int, ...] | None = None  # layers per stage; None = balance by parameters
+    balance: tuple[int, ...] | None = None  # layers per stage; None = by measured time (by parameters above 50M)
 
     # --- optimisation --------------------------------------------------------------------------
     optimizer: str = "adamw"  # timm create_optimizer_v2 name: "rmsproptf" (AmoebaNet), "sgd", ...
