@@ -15,6 +15,7 @@ first failure and prints how long each stage took.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def run(title: str, command: list[str], timeout_s: float) -> None:
 
 def main() -> None:
     start = time.monotonic()
+    shutil.rmtree(OUT, ignore_errors=True)  # a smoke run always starts from scratch
     nmt_out, amoeba_out = OUT / "nmt", OUT / "amoebanet"
     run("NMT: train 30 steps on 2 pipeline stages", torchrun(
         "apps.nmt.train", "--config=tiny", "--data_dir=.cache/gettext_m2en_smoke",
