@@ -80,7 +80,7 @@ def reference(model: nn.Module, chunks: int, steps: int) -> tuple[list[float], d
         pieces = [p for p in pieces if len(p[0])]
         total = sum(loss_fn(model((xm, mm)), ym) for xm, mm, ym in pieces) / len(pieces)
         total.backward()
-        losses.append(float(total))
+        losses.append(float(total.detach()))
     return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
