@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,9 +27,9 @@ from apps.amoebanet.model import build_amoebanet
 from apps.common import CheckpointError
 from apps.config import ConfigError, save_config
 from scripts import eval_top1
+from tests.distributed import launch
 from tests.distributed.launch import spawn
 
-REPO = Path(__file__).resolve().parents[2]
 CLASSES = ["hstripes", "vstripes", "square"]
 TRAIN_IMAGES, TEST_IMAGES = 48, 24  # tiny_test's batch of 8: 6 steps per epoch
 
@@ -85,25 +81,9 @@ def tiny_args(shards: Path, out_dir: Path, **changes: Any) -> list[str]:
     return [f"--{key}={value}" for key, value in settings.items()]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def torchrun(args: list[str], *, nproc: int = 2, timeout_s: float = 120.0) -> str:
-    """``python -m torch.distributed.run`` of apps.amoebanet.train on 127.0.0.1; its output."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "apps.amoebanet.train", *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=timeout_s, check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output[-6000:]}"
-    return output
+    """apps.amoebanet.train under torchrun on 127.0.0.1; its output."""
+    return launch.torchrun("apps.amoebanet.train", args, nproc=nproc, timeout_s=timeout_s)
 
 
 def losses(out_dir: Path) -> list[tuple[int, float]]:

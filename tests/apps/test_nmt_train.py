@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +20,9 @@ from apps.nmt.model import token_cross_entropy_sum
 from data.gettext_m2en.prepare import prepare
 from scripts.eval_bleu import TokenizerMismatch, evaluate_checkpoint
 from tests.apps.test_nmt_data import build_locale_tree
+from tests.distributed import launch
 from tests.distributed.launch import spawn
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = 400  # the smallest the synthetic corpus allows (bytes + specials + tags + pieces)
 
 
@@ -61,25 +57,9 @@ def tiny_args(corpus: Path, out_dir: Path, **changes: Any) -> list[str]:
     return [f"--{key}={value}" for key, value in settings.items()]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def torchrun(args: list[str], *, timeout_s: float = 150.0) -> str:
-    """``python -m torch.distributed.run`` with 2 ranks on 127.0.0.1; returns its output."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "apps.nmt.train", *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=timeout_s, check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output[-6000:]}"
-    return output
+    """apps.nmt.train under torchrun with 2 ranks on 127.0.0.1; its output."""
+    return launch.torchrun("apps.nmt.train", args, timeout_s=timeout_s)
 
 
 def losses(out_dir: Path) -> list[tuple[int, float]]:

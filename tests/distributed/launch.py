@@ -76,3 +76,30 @@ def spawn(
 
 def _read(path: str) -> str:
     return Path(path).read_text() if os.path.exists(path) else ""
+
+
+def torchrun(
+    module: str, args: list[str], *, nproc: int = 2, timeout_s: float = 150.0
+) -> str:
+    """``python -m torch.distributed.run -m module args`` on 127.0.0.1; returns its output.
+
+    Asserts a zero exit status, quoting the end of the output otherwise.
+    """
+    import socket
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    with socket.socket() as sock:  # a free port on the loopback interface
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", module, *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True,
+                            timeout=timeout_s, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output[-6000:]}"
+    return output
