@@ -1,5 +1,6 @@
 """GPipe pipeline parallelism for PyTorch: micro-batches, re-materialization, schedules as data."""
 
+from .affinity import bind_cpus
 from .batchnorm import DeferredBatchNorm
 from .distributed import (
     DistributedGPipe,
@@ -20,6 +21,7 @@ __all__ = [
     "DistributedGPipe",
     "PipelineFailure",
     "init_process_groups",
+    "bind_cpus",
     "load_checkpoint",
     "save_checkpoint",
     "materialize",

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .affinity import bind_cpus
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import CHECKPOINT_MODES
 from .materialize import InitFn, is_meta, materialize_layer
@@ -53,7 +54,11 @@ class PipelineFailure(RuntimeError):
 
 
 def init_process_groups(
-    num_stages: int, *, backend: str | None = None, timeout_s: float = 60.0
+    num_stages: int,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 60.0,
+    pin_cpus: bool = False,
 ) -> tuple[Any, Any]:
     """Initialise torch.distributed from torchrun's environment and build the two groups.
 
@@ -61,7 +66,11 @@ def init_process_groups(
     ``W / K`` replicas; replica ``r`` holds ranks ``r*K ... r*K + K-1`` (its stages in order).
     Returns ``(pipeline_group, data_parallel_group)`` of the calling rank; the data-parallel
     group links the ranks that hold the same stage. Backend: NCCL with CUDA, else gloo.
+    ``pin_cpus``: first give each local rank its own share of the CPU cores
+    (:func:`~gpipe_core.bind_cpus`); worth it when stages compute on the CPU.
     """
+    if pin_cpus:
+        bind_cpus()
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"

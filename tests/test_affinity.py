@@ -1,0 +1,56 @@
+"""Giving each local rank its own share of the CPU cores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpipe_core.affinity import cpu_share
+
+
+def test_equal_contiguous_shares() -> None:
+    cores = [0, 1, 2, 3, 4, 5, 6, 7]
+    shares = [cpu_share(cores, r, 4) for r in range(4)]
+    assert shares == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_shares_are_disjoint_and_leftover_cores_unused() -> None:
+    cores = [3, 1, 9, 5, 7]  # unsorted, 5 cores for 2 ranks: one core stays free
+    shares = [cpu_share(cores, r, 2) for r in range(2)]
+    assert shares == [[1, 3], [5, 7]]
+
+
+def test_fewer_cores_than_ranks_round_robin() -> None:
+    assert [cpu_share([0, 1], r, 3) for r in range(3)] == [[0], [1], [0]]
+
+
+def test_bad_rank_is_named() -> None:
+    with pytest.raises(ValueError, match="local_rank=2 must be in"):
+        cpu_share([0, 1], 2, 2)
+    with pytest.raises(ValueError, match="no CPU cores"):
+        cpu_share([], 0, 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_bind_cpus_pins_the_process_and_its_threads() -> None:
+    # In a child process, so the test runner itself stays unpinned.
+    code = (
+        "import os, threading, torch, gpipe_core as gp\n"
+        "cores = sorted(os.sched_getaffinity(0))\n"
+        "share = gp.bind_cpus(local_rank=1, local_world_size=2)\n"
+        "assert share == cores[len(cores) // 2 : 2 * (len(cores) // 2)] or len(cores) < 2, share\n"
+        "assert sorted(os.sched_getaffinity(0)) == share\n"
+        "assert torch.get_num_threads() == len(share)\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+        "t.start(); t.join()\n"
+        "assert seen == [share], seen\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
