@@ -61,61 +61,91 @@ def data(args: argparse.Namespace) -> tuple[Tensor, Tensor]:
     return x, torch.randn(args.batch, args.seq, args.width, generator=g)
 
 
-def timed(fn: Any, steps: int, warmup: int = 2, sync: bool = False) -> float:
-    times = []
-    for i in range(warmup + steps):
-        if sync:
-            dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        if sync:  # a step lasts as long as its slowest rank
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(float(elapsed))
-    return statistics.median(times)
+def timed_step(fn: Any) -> float:
+    """Seconds of one step of ``fn`` on every rank: a step lasts as long as its slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
 
 
-def plain_times(args: argparse.Namespace) -> dict[str, float]:
-    """One-thread plain module: on the whole batch, and on M micro-batches in a row."""
-    model = build(args.blocks, args.width)
-    x, y = data(args)
+def reset_peak_rss() -> None:
+    """Start a new resident-memory high-water mark (Linux: /proc/self/clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def plain_steps(model: nn.Sequential, x: Tensor, y: Tensor, m: int, rank: int) -> dict[str, Any]:
+    """The plain module in one process (rank 0; the other ranks wait): whole batch, M chunks."""
 
     def whole() -> None:
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        if rank == 0:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
 
-    result = {"whole": timed(whole, args.steps)}
-    for m in args.microbatches:
-        def chunked(m: int = m) -> None:
+    def chunked() -> None:
+        if rank == 0:
             model.zero_grad(set_to_none=True)
             for xm, ym in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
                 (loss_fn(model(xm), ym) / m).backward()
 
-        result[str(m)] = timed(chunked, args.steps)
-    return result
+    return {"whole": whole, "chunked": chunked}
 
 
 def worker(rank: int, args: argparse.Namespace, root: str) -> None:
-    torch.set_num_threads(1)
+    if args.pin:
+        gp.bind_cpus(rank, K)  # one core per rank; torch threads = 1
+    else:
+        torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
                             world_size=K, timeout=datetime.timedelta(seconds=120))
     x, y = data(args)
     balance = [args.blocks // 2, args.blocks - args.blocks // 2]
+    plain_model = build(args.blocks, args.width)
     rows = []
     for m in args.microbatches:
+        # Every configuration of this M, measured round-robin: one step of each per round, so
+        # that drifts in machine load touch them all alike.
+        configs: dict[tuple[str, str], Any] = {}
+        for schedule, fn in plain_steps(plain_model, x, y, m, rank).items():
+            configs[("plain", schedule)] = fn
         for impl, schedule in (("gpipe_core", "gpipe"), ("gpipe_core", "1f1b"),
                                ("torch.pipelining", "gpipe"), ("torch.pipelining", "1f1b")):
             model = build(args.blocks, args.width)
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint)
-            if step is None:
-                continue
-            seconds = timed(step, args.steps, sync=True)
-            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            peaks = [None, None]
-            dist.all_gather_object(peaks, peak_mb)
-            rows.append({"impl": impl, "schedule": schedule, "M": m, "seconds": seconds,
-                         "peak_rss_mb_per_rank": peaks})
+            if step is not None:
+                configs[(impl, schedule)] = step
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
+        peaks: dict[tuple[str, str], float] = {}
+        for round_ in range(args.warmup + args.steps):
+            for key, fn in configs.items():
+                if round_ == 0:
+                    reset_peak_rss()
+                seconds = timed_step(fn)
+                if round_ == 0:
+                    peaks[key] = peak_rss_mb()
+                if round_ >= args.warmup:
+                    times[key].append(seconds)
+        for (impl, schedule), samples in times.items():
+            rank_peaks: list[Any] = [None] * K
+            dist.all_gather_object(rank_peaks, peaks[(impl, schedule)])
+            rows.append({"impl": impl, "schedule": schedule, "M": m,
+                         "seconds": statistics.median(samples), "samples": samples,
+                         "peak_rss_mb_per_rank": rank_peaks})
     if rank == 0:
         Path(root, "rows.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -159,33 +189,36 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=11, help="timed rounds per M")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per M")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--checkpoint", default="never",
                         help="gpipe_core re-materialization (torch.pipelining has none)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not pin each rank to its own core (gp.bind_cpus)")
     parser.add_argument("--out", default="out/bench_pipeline")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    plain = plain_times(args)
     with tempfile.TemporaryDirectory() as root:
         mp.start_processes(worker, args=(args, root), nprocs=K, start_method="spawn")
         rows = json.loads(Path(root, "rows.json").read_text())
+    plain = {(r["M"], r["schedule"]): r["seconds"] for r in rows if r["impl"] == "plain"}
     for row in rows:
         m = row["M"]
-        ideal = plain[str(m)] * (m + K - 1) / (K * m)
-        row["speedup"] = plain["whole"] / row["seconds"]
+        ideal = plain[(m, "chunked")] * (m + K - 1) / (K * m)
+        row["speedup"] = plain[(m, "whole")] / row["seconds"]
         row["efficiency"] = ideal / row["seconds"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"config": vars(args), "plain_seconds": plain, "rows": rows}
+    report = {"config": vars(args), "rows": rows}
     (out / "bench_pipeline.json").write_text(json.dumps(report, indent=1))
-    print(f"plain module, 1 thread: {plain['whole']:.4f} s/step "
-          f"({args.blocks} blocks, d={args.width}, batch {args.batch}x{args.seq})")
+    whole = statistics.median(s for (_, schedule), s in plain.items() if schedule == "whole")
+    print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
+          f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}")
     print(f"{'impl':<18}{'schedule':<9}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}"
           f"{'peak RSS MB/rank':>20}")
     for r in rows:
-        peaks = "/".join(f"{p:.0f}" for p in r["peak_rss_mb_per_rank"])
+        peaks = "/".join(f"{p:.0f}" for p in r["peak_rss_mb_per_rank"] if p is not None)
         print(f"{r['impl']:<18}{r['schedule']:<9}{r['M']:>3}{r['seconds']:>9.4f}"
               f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{peaks:>20}")
     for m in args.microbatches:
