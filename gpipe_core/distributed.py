@@ -36,7 +36,7 @@ from .partition import split_module, verify_module
 from .runtime import StageRuntime, StepState, TimelineEvent
 from .schedule import Schedule, get_schedule
 from .stage import LossFn, Stage
-from .transport import DistributedTransport, PeerError
+from .transport import DistributedTransport, PeerError, StepMismatch
 
 __all__ = [
     "DistributedGPipe",
@@ -206,6 +206,8 @@ class DistributedGPipe(nn.Module):
         self.transport = DistributedTransport(
             self.stage_index, self.stage_ranks, self.device, group=None, timeout_s=timeout_s
         )
+        if self.is_last:
+            self.transport.loss_source = lambda: float(self._step_loss())
         self.runtime = StageRuntime(self.stage, self.transport, record=record)
         self._step = 0
         self._evaluations = 0
@@ -313,16 +315,17 @@ class DistributedGPipe(nn.Module):
             state.inputs = [_to_device(mb, self.device) for mb in scatter(inputs, self.chunks)]
             num_microbatches = len(state.inputs)
         else:
-            num_microbatches, sender_step = self.transport.recv_step_header()
+            num_microbatches, sender_step = self.transport.recv_step()
             if sender_step != step:
-                raise RuntimeError(
+                raise StepMismatch(
                     f"stage {self.stage_index} is at step {step} but stage "
                     f"{self.stage_index - 1} sent step {sender_step}; every rank must call "
                     "step() and evaluate() the same number of times, in the same order"
                 )
-        if not self.is_last:
-            self.transport.send_step_header(num_microbatches, step)
-        self.transport.expect_messages(num_microbatches, backward=train)
+        actions = self.schedule(num_microbatches).actions[self.stage_index]
+        if not train:
+            actions = tuple(a for a in actions if a.kind == "F")
+        self.transport.begin_step(step, num_microbatches, actions)
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets: pipe.step(inputs, targets)")
@@ -341,21 +344,22 @@ class DistributedGPipe(nn.Module):
         else:
             self.stage.loss_scale = None
         self.stage.begin_step(step, num_microbatches)
-        actions = self.schedule(num_microbatches).actions[self.stage_index]
-        if not train:
-            actions = tuple(a for a in actions if a.kind == "F")
         self.runtime.run(actions, state)
         self.transport.finish()
-        loss = torch.zeros((), device=self.device, dtype=torch.float64)
         outputs = None
         if self.is_last:
-            for mb in range(num_microbatches):
-                loss += self.stage.losses.pop((step, mb)).double()
+            loss = self._step_loss()
             if keep_outputs:
                 outputs = gather([state.outputs[mb] for mb in range(num_microbatches)])
+        elif train:  # the step's last gradient message brought the loss
+            loss = torch.tensor(self.transport.received_loss, dtype=torch.float64,
+                                device=self.device)
+        else:
+            loss = torch.zeros((), device=self.device, dtype=torch.float64)
         self.stage.discard(step)
         try:
-            dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
+            if not train:
+                dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
             if train:
                 self._reduce_tied_gradient()
                 if self.data_parallel_group is not None:
@@ -363,6 +367,17 @@ class DistributedGPipe(nn.Module):
         except RuntimeError as exc:  # a peer died between our last message and the collective
             raise PeerError(-1, -1, f"collective after the step failed ({exc})") from exc
         return loss, outputs
+
+    def _step_loss(self) -> Tensor:
+        """The last stage's loss of the current step: its micro-batch losses summed in float64.
+
+        Also what the step's last gradient message carries back to the other stages.
+        """
+        step, num_microbatches = self.transport.step, self.transport.num_microbatches
+        loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        for mb in range(num_microbatches):
+            loss += self.stage.losses[(step, mb)].double()
+        return loss
 
     # -- failure ---------------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ tensor or None per tensor leaf. Shapes and dtypes may change from one micro-batc
 
 Wire format: one distributed message per transfer, a byte buffer on the stage's device::
 
-    int64 prefix  [total_bytes, kind=DATA, num_meta_ints, skeleton_bytes]
+    int64 prefix  [total_bytes, kind=DATA, num_meta_ints, skeleton_bytes, step,
+                   micro-batches in the step, step loss (float64 bits, or NaN), 0]
     int64 meta    (dtype, requires_grad, ndim, *shape) per tensor leaf
     skeleton      pickled nesting and non-tensor leaves; only when it differs from the last one
     tensors       each tensor's bytes, 16-byte aligned; received tensors are views of the buffer
@@ -25,6 +26,10 @@ receiver posts the next receive as soon as the current one arrives, so a message
 waiting buffer and every transfer is a single message: no header round trip per micro-batch.
 NCCL ignores tags and matches messages in order, so there receives are posted when needed.
 
+The step number and micro-batch count in every prefix spare a header message per step: a stage
+learns both from its first activation. The last gradient message of a step carries the step's
+loss, which thus reaches every stage without a collective.
+
 Sends are asynchronous (``isend``) and complete by :meth:`Transport.finish`; receives wait at
 most ``timeout_s`` seconds, so a dead or stuck neighbour turns into an error, never a hang.
 """
@@ -32,9 +37,11 @@ most ``timeout_s`` seconds, so a dead or stuck neighbour turns into an error, ne
 from __future__ import annotations
 
 import datetime
+import math
 import pickle
+import struct
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,8 +49,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .microbatch import flatten, map_tensors, unflatten
+from .schedule import Action
 
-__all__ = ["Transport", "LocalTransport", "Mailbox", "DistributedTransport", "PeerError"]
+__all__ = [
+    "Transport", "LocalTransport", "Mailbox", "DistributedTransport", "PeerError", "StepMismatch",
+]
 
 Grads = list[Tensor | None]
 
@@ -124,7 +134,10 @@ class PeerError(RuntimeError):
 
 
 _ALIGN = 16
-_PREFIX_BYTES = 32  # four int64: total bytes, kind, meta ints, skeleton bytes
+# Prefix, eight int64: total bytes, kind, meta ints, skeleton bytes, step, micro-batches in the
+# step, the step's loss (float64 bits; on a step's last gradient message), reserved.
+_PREFIX = struct.Struct("<8q")
+_PREFIX_BYTES = _PREFIX.size
 _KIND_DATA, _KIND_RESIZE = 0, 1
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -132,12 +145,20 @@ _DTYPES = [
 ]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _TENSOR = "__tensor__"  # stands for a tensor leaf in the pickled skeleton
-# Tags (gloo): step headers and tied weights; activations and gradients.
+# Tags (gloo): tied weights; activations and gradients.
 _TAG_CONTROL, _TAG_DATA = 0, 1
 
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 class _Channel:
@@ -147,11 +168,21 @@ class _Channel:
         self.predicted = _PREFIX_BYTES
         self.skeleton: Any = None  # last skeleton sent (bytes) or received (parsed)
         self.posted: tuple[Any, Tensor] | None = None  # a receive already waiting (gloo)
-        self.remaining = 0  # messages still expected this step
+        self.remaining = 0  # messages still to receive (or to send) this step
+
+
+class StepMismatch(RuntimeError):
+    """A neighbour sent a message of another step: the ranks' calls went out of step."""
 
 
 class DistributedTransport(Transport):
-    """Point-to-point messages with the neighbouring stages' processes."""
+    """Point-to-point messages with the neighbouring stages' processes.
+
+    Every message carries its step number and the step's micro-batch count, so a stage learns
+    both from its first activation (:meth:`recv_step`) instead of a header message of its own;
+    the step's last gradient message carries the step's loss back towards the first stage
+    (:attr:`loss_source` on the last stage, :attr:`received_loss` elsewhere).
+    """
 
     def __init__(
         self,
@@ -171,6 +202,14 @@ class DistributedTransport(Transport):
         self._send_channels: dict[int, _Channel] = {}
         self._recv_channels: dict[int, _Channel] = {}
         self.use_tags = dist.get_backend() == "gloo"
+        self.step = 0
+        self.num_microbatches = 0
+        self._first_activation: tuple[Any] | None = None  # read by recv_step, not yet taken
+        self.loss_source: Callable[[], float] | None = None  # the last stage's step loss
+        self._event = 0  # index of this stage's next send or receive in the step
+        self._post_now: set[int] = set()
+        self._post_after_send: dict[int, list[int]] = {}
+        self.received_loss = math.nan  # the step loss from the last gradient message
 
     # -- public ----------------------------------------------------------------------------
 
@@ -178,6 +217,9 @@ class DistributedTransport(Transport):
         self._send(self.stage_index + 1, payload)
 
     def recv_activation(self, mb: int) -> Any:
+        if self._first_activation is not None:
+            (payload,), self._first_activation = self._first_activation, None
+            return payload
         return self._recv(self.stage_index - 1)
 
     def send_gradient(self, mb: int, grads: list[Tensor | None]) -> None:
@@ -186,27 +228,51 @@ class DistributedTransport(Transport):
     def recv_gradient(self, mb: int) -> list[Tensor | None]:
         return self._recv(self.stage_index + 1)
 
-    def send_step_header(self, num_microbatches: int, step: int) -> None:
-        """Tell the next stage how many micro-batches this step has (it cannot see the input)."""
-        header = torch.tensor([num_microbatches, step], dtype=torch.int64, device=self.device)
-        self._isend(header, self.stage_index + 1, _TAG_CONTROL)
+    def recv_step(self) -> tuple[int, int]:
+        """Wait for the previous stage's first activation of a step: ``(micro-batches, step)``.
 
-    def recv_step_header(self) -> tuple[int, int]:
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        self._irecv_wait([header], self.stage_index - 1, _TAG_CONTROL)
-        num_microbatches, step = header.tolist()
-        return int(num_microbatches), int(step)
+        The activation itself is kept for the step's first :meth:`recv_activation`.
+        """
+        stage = self.stage_index - 1
+        channel = self._recv_channels.setdefault(stage, _Channel())
+        channel.remaining = 1  # the step's size is not known yet: take one message only
+        payload, step, num_microbatches, _ = self._recv_message(stage, expect_step=None)
+        self._first_activation = (payload,)
+        return num_microbatches, step
 
-    def expect_messages(self, num_microbatches: int, *, backward: bool = True) -> None:
-        """Announce this step's messages: activations from the previous stage and, when
-        ``backward``, gradients from the next; with gloo, post the first receive of each."""
-        neighbours = [self.stage_index - 1] + ([self.stage_index + 1] if backward else [])
-        for stage in neighbours:
-            if 0 <= stage < len(self.stage_ranks):
-                channel = self._recv_channels.setdefault(stage, _Channel())
-                channel.remaining = num_microbatches
-                if self.use_tags and channel.posted is None:
-                    channel.posted = self._post_recv(stage, channel.predicted)
+    def begin_step(self, step: int, num_microbatches: int, actions: Sequence[Action]) -> None:
+        """Start ``step`` of ``num_microbatches``, in which this stage runs ``actions``.
+
+        Every message of the step carries both numbers. Counts the messages to expect from
+        each neighbour and, with gloo, posts the first receive of each channel and plans when
+        to post the others (:func:`plan_receives`).
+        """
+        self.step, self.num_microbatches = step, num_microbatches
+        self.received_loss = math.nan
+        backward = any(action.kind == "B" for action in actions)
+        last = len(self.stage_ranks) - 1
+        first_taken = self._first_activation is not None
+        expected = {self.stage_index - 1: num_microbatches - int(first_taken)}
+        if backward:
+            expected[self.stage_index + 1] = num_microbatches
+        self._post_now, self._post_after_send = plan_receives(
+            self.stage_index, len(self.stage_ranks), actions
+        )
+        self._event = 0
+        for stage, count in expected.items():
+            if not 0 <= stage <= last:
+                continue
+            channel = self._recv_channels.setdefault(stage, _Channel())
+            channel.remaining = count
+            if stage == self.stage_index - 1 and first_taken:
+                self._event = 1  # event 0, the first activation, happened in recv_step
+                if 0 not in self._post_now:
+                    continue  # its successor's receive is posted along with a send
+            if self.use_tags and count > 0 and channel.posted is None:
+                channel.posted = self._post_recv(stage, channel.predicted)
+        for stage in (self.stage_index - 1, self.stage_index + 1):
+            if 0 <= stage <= last and (backward or stage > self.stage_index):
+                self._send_channels.setdefault(stage, _Channel()).remaining = num_microbatches
 
     def send_tensor(self, tensor: Tensor, stage: int) -> None:
         """Send one tensor of known shape to ``stage`` (used for tied-parameter gradients)."""
@@ -266,21 +332,24 @@ class DistributedTransport(Transport):
 
     def _send(self, stage: int, payload: Any) -> None:
         channel = self._send_channels.setdefault(stage, _Channel())
+        channel.remaining -= 1
+        loss = math.nan
+        if stage < self.stage_index and channel.remaining == 0:  # the step's last gradient
+            loss = self.loss_source() if self.loss_source is not None else self.received_loss
         leaves, spec = flatten(payload)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         skeleton = pickle.dumps((spec, [_TENSOR if isinstance(x, Tensor) else x for x in leaves]))
         if skeleton == channel.skeleton:
-            skeleton_bytes = b""
+            skeleton = b""
         else:
-            skeleton_bytes = skeleton
             channel.skeleton = skeleton
         meta: list[int] = []
         for tensor in tensors:
             if tensor.dtype not in _DTYPE_CODE:
                 raise TypeError(f"cannot send a tensor of dtype {tensor.dtype} between stages")
             meta += [_DTYPE_CODE[tensor.dtype], int(tensor.requires_grad), tensor.dim()]
-            meta += list(tensor.shape)
-        offset = _aligned(_PREFIX_BYTES + 8 * len(meta) + len(skeleton_bytes))
+            meta += tensor.shape
+        offset = _aligned(_PREFIX_BYTES + 8 * len(meta) + len(skeleton))
         offsets = []
         for tensor in tensors:
             offsets.append(offset)
@@ -288,51 +357,66 @@ class DistributedTransport(Transport):
         total = offset
         if total != channel.predicted:  # announce the new size in a message of the old one
             resize = torch.zeros(channel.predicted, dtype=torch.uint8, device=self.device)
-            resize[:16].view(torch.int64).copy_(torch.tensor([total, _KIND_RESIZE]))
+            resize[:_PREFIX_BYTES].copy_(_as_bytes(_PREFIX.pack(
+                total, _KIND_RESIZE, 0, 0, self.step, self.num_microbatches, 0, 0)))
             self._isend(resize, stage, _TAG_DATA)
             channel.predicted = total
         packed = torch.empty(total, dtype=torch.uint8, device=self.device)
-        head = torch.tensor([total, _KIND_DATA, len(meta), len(skeleton_bytes), *meta],
-                            dtype=torch.int64)
-        packed[: 8 * head.numel()].view(torch.int64).copy_(head)
-        if skeleton_bytes:
-            start = 8 * head.numel()
-            packed[start : start + len(skeleton_bytes)].copy_(
-                torch.frombuffer(bytearray(skeleton_bytes), dtype=torch.uint8)
-            )
+        head = _PREFIX.pack(total, _KIND_DATA, len(meta), len(skeleton), self.step,
+                            self.num_microbatches, _float_bits(loss), 0)
+        head += struct.pack(f"<{len(meta)}q", *meta) + skeleton
+        packed[: len(head)].copy_(_as_bytes(head))
         for tensor, start in zip(tensors, offsets, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             packed[start : start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(
                 tensor.detach()
             )
         self._isend(packed, stage, _TAG_DATA)
+        if stage in self._post_after_send.pop(self._event, ()):  # wakes the peer once for both
+            receiving = self._recv_channels[stage]
+            if self.use_tags and receiving.remaining > 0 and receiving.posted is None:
+                receiving.posted = self._post_recv(stage, receiving.predicted)
+        self._event += 1
 
     def _recv(self, stage: int) -> Any:
+        payload, _, _, loss = self._recv_message(stage, expect_step=self.step)
+        if not math.isnan(loss):
+            self.received_loss = loss
+        return payload
+
+    def _recv_message(self, stage: int, expect_step: int | None) -> tuple[Any, int, int, float]:
+        """The next message from ``stage``: ``(payload, step, micro-batches, loss or nan)``."""
         channel = self._recv_channels.setdefault(stage, _Channel())
         posted, channel.posted = channel.posted, None
         if posted is None:
             posted = self._post_recv(stage, channel.predicted)
         buffer = self._wait(posted, stage)
-        total, kind, num_meta, skeleton_len = buffer[:_PREFIX_BYTES].view(torch.int64).tolist()
-        if kind == _KIND_RESIZE:
-            channel.predicted = total
-            buffer = self._wait(self._post_recv(stage, total), stage)
-            total, kind, num_meta, skeleton_len = (
-                buffer[:_PREFIX_BYTES].view(torch.int64).tolist()
+        header = _PREFIX.unpack(buffer[:_PREFIX_BYTES].cpu().numpy().tobytes())
+        if header[1] == _KIND_RESIZE:
+            channel.predicted = header[0]
+            buffer = self._wait(self._post_recv(stage, channel.predicted), stage)
+            header = _PREFIX.unpack(buffer[:_PREFIX_BYTES].cpu().numpy().tobytes())
+        _, _, num_meta, skeleton_len, step, num_microbatches, loss_bits, _ = header
+        if expect_step is not None and step != expect_step:
+            raise StepMismatch(
+                f"stage {self.stage_index} is at step {expect_step} but stage {stage} sent a "
+                f"message of step {step}; every rank must call step() and evaluate() the same "
+                "number of times, in the same order"
             )
         channel.remaining -= 1
-        if self.use_tags and channel.remaining > 0:  # the next message finds a waiting buffer
-            channel.posted = self._post_recv(stage, channel.predicted)
+        event, self._event = self._event, self._event + 1
+        if self.use_tags and channel.remaining > 0 and event in self._post_now:
+            channel.posted = self._post_recv(stage, channel.predicted)  # the next finds it waiting
         meta_end = _PREFIX_BYTES + 8 * num_meta
-        meta = buffer[_PREFIX_BYTES:meta_end].view(torch.int64).tolist()
+        raw = buffer[_PREFIX_BYTES : meta_end + skeleton_len].cpu().numpy().tobytes()
+        meta = struct.unpack(f"<{num_meta}q", raw[: 8 * num_meta])
         if skeleton_len:
-            raw = buffer[meta_end : meta_end + skeleton_len].cpu().numpy().tobytes()
-            channel.skeleton = pickle.loads(raw)
+            channel.skeleton = pickle.loads(raw[8 * num_meta :])
         spec, kinds = channel.skeleton
         offset = _aligned(meta_end + skeleton_len)
         tensors: list[Tensor] = []
         pos = 0
-        while pos < len(meta):
+        while pos < num_meta:
             dtype, requires_grad, ndim = meta[pos], meta[pos + 1], meta[pos + 2]
             shape = meta[pos + 3 : pos + 3 + ndim]
             pos += 3 + ndim
@@ -343,10 +427,54 @@ class DistributedTransport(Transport):
             offset = _aligned(offset + nbytes)
         values = iter(tensors)
         leaves = [next(values) if kind_ == _TENSOR else kind_ for kind_ in kinds]
-        return unflatten(leaves, spec)
+        return unflatten(leaves, spec), step, num_microbatches, _bits_float(loss_bits)
 
 
-def _numel(shape: list[int]) -> int:
+def plan_receives(
+    stage_index: int, num_stages: int, actions: Sequence[Action]
+) -> tuple[set[int], dict[int, list[int]]]:
+    """When to post each receive after a channel's first: ``(post_now, post_after_send)``.
+
+    The stage's sends and receives, in action order, are numbered events (an F receives from
+    the previous stage then sends to the next; a B the converse). A receive is posted ahead
+    so that the message finds it waiting. If the stage sends to the same neighbour before the
+    message is due, the receive is posted right after that send, so the neighbour's I/O
+    thread wakes once for both (1F1B's alternation); otherwise right after the channel's
+    previous receive (``post_now``: event numbers of those receives). ``post_after_send``
+    maps a send's event number to the neighbours whose next receive it posts.
+    """
+    events: list[tuple[str, int]] = []
+    for action in actions:
+        forward = action.kind == "F"
+        source, target = (stage_index - 1, stage_index + 1) if forward else (
+            stage_index + 1, stage_index - 1)
+        if 0 <= source < num_stages:
+            events.append(("recv", source))
+        if 0 <= target < num_stages:
+            events.append(("send", target))
+    post_now: set[int] = set()
+    post_after_send: dict[int, list[int]] = {}
+    waiting: dict[int, int] = {}  # neighbour -> its last receive so far
+    first_send: dict[int, int] = {}  # neighbour -> first send to it since that receive
+    for index, (kind, peer) in enumerate(events):
+        if kind == "send":
+            if peer in waiting:
+                first_send.setdefault(peer, index)
+            continue
+        if peer in waiting:  # plan the post of this receive
+            if peer in first_send:
+                post_after_send.setdefault(first_send.pop(peer), []).append(peer)
+            else:
+                post_now.add(waiting[peer])
+        waiting[peer] = index
+    return post_now, post_after_send
+
+
+def _as_bytes(data: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _numel(shape: Sequence[int]) -> int:
     n = 1
     for size in shape:
         n *= size

@@ -413,3 +413,21 @@ def test_evaluate_is_a_forward_only_pass(tmp_path: Path) -> None:
             torch.testing.assert_close(outputs, out, rtol=0, atol=TOL)
         else:
             assert outputs is None
+
+
+def run_out_of_step(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(), [4, 4], chunks=2, loss_fn=loss_fn, timeout_s=20)
+    (x, mask), y = make_batch(0)
+    pipe.step((x, mask), y)
+    if rank == 0:
+        pipe.evaluate((x, mask), y)  # rank 1 trains instead: the ranks' calls disagree
+    else:
+        pipe.step((x, mask), y)
+
+
+def test_ranks_out_of_step_are_told_so(tmp_path: Path) -> None:
+    results = spawn(run_out_of_step, 2, tmp_path, timeout_s=90, expect_failure=True)
+    assert all(code != 0 for code, _ in results)
+    assert "StepMismatch" in results[1][1] and "same number of times" in results[1][1]
+    assert "PipelineFailure" in results[0][1] and "rank 1" in results[0][1]
