@@ -1,22 +1,25 @@
 """DistributedGPipe against the plain module and torch.distributed.pipelining, side by side.
 
-One run, one model, one batch, one thread per process: the plain module in this process, then
-two gloo processes (K=2) running, for M = 1, 2, 4, 8, 16, our ``DistributedGPipe`` (fill-drain
-and 1F1B) and ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each
-row: median seconds per training step, speedup over the plain one-thread run, efficiency
-against the ideal pipeline (the plain module run on the same M micro-batches, divided by
-K*M/(M+K-1)), and each rank's peak resident memory. Writes JSON and a PNG of speedup vs M.
+One run, one model, one batch, one thread per process: two gloo processes (K=2), each pinned to
+its own core (``gp.bind_cpus``; ``--no-pin`` leaves placement to the OS). For each M in 1, 2,
+4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
+in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
+micro-batches in a row, our ``DistributedGPipe`` (fill-drain and 1F1B) and
+``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each row: median
+seconds per training step, speedup over the plain run, efficiency against the ideal pipeline
+(the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and the resident
+memory a step adds on each rank. Writes JSON and a PNG of speedup against M.
 
-    python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 9]
+    python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -71,22 +74,33 @@ def timed_step(fn: Any) -> float:
     return float(elapsed)
 
 
-def reset_peak_rss() -> None:
-    """Start a new resident-memory high-water mark (Linux: /proc/self/clear_refs)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def peak_rss_mb() -> float:
+def rss_mb(field: str) -> float | None:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in MB, from /proc (Linux)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
+
+
+def step_memory_mb(fn: Any) -> float | None:
+    """Resident memory a step adds at its peak over what the process held before it.
+
+    Memory the allocator cached from earlier steps is first returned to the system
+    (``malloc_trim``), and the high-water mark restarted (/proc/self/clear_refs), so the peak
+    counts what this step itself touches: activations kept for backward, gradients, messages.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    before = rss_mb("VmRSS")
+    timed_step(fn)
+    peak = rss_mb("VmHWM")
+    return None if before is None or peak is None else peak - before
 
 
 def plain_steps(model: nn.Sequential, x: Tensor, y: Tensor, m: int, rank: int) -> dict[str, Any]:
@@ -130,14 +144,13 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             if step is not None:
                 configs[(impl, schedule)] = step
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
-        peaks: dict[tuple[str, str], float] = {}
+        peaks: dict[tuple[str, str], float | None] = {}
         for round_ in range(args.warmup + args.steps):
             for key, fn in configs.items():
-                if round_ == 0:
-                    reset_peak_rss()
+                if round_ == args.warmup - 1:  # a warm step, untimed
+                    peaks[key] = step_memory_mb(fn)
+                    continue
                 seconds = timed_step(fn)
-                if round_ == 0:
-                    peaks[key] = peak_rss_mb()
                 if round_ >= args.warmup:
                     times[key].append(seconds)
         for (impl, schedule), samples in times.items():
@@ -145,7 +158,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             dist.all_gather_object(rank_peaks, peaks[(impl, schedule)])
             rows.append({"impl": impl, "schedule": schedule, "M": m,
                          "seconds": statistics.median(samples), "samples": samples,
-                         "peak_rss_mb_per_rank": rank_peaks})
+                         "step_memory_mb_per_rank": rank_peaks})
     if rank == 0:
         Path(root, "rows.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -189,8 +202,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=11, help="timed rounds per M")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per M")
+    parser.add_argument("--steps", type=int, default=15, help="timed rounds per M")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed rounds per M (>= 1: the last measures memory)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--checkpoint", default="never",
                         help="gpipe_core re-materialization (torch.pipelining has none)")
@@ -198,6 +212,8 @@ def main() -> None:
                         help="do not pin each rank to its own core (gp.bind_cpus)")
     parser.add_argument("--out", default="out/bench_pipeline")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory() as root:
         mp.start_processes(worker, args=(args, root), nprocs=K, start_method="spawn")
@@ -216,11 +232,11 @@ def main() -> None:
     print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
           f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}")
     print(f"{'impl':<18}{'schedule':<9}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}"
-          f"{'peak RSS MB/rank':>20}")
+          f"{'step MB/rank':>16}")
     for r in rows:
-        peaks = "/".join(f"{p:.0f}" for p in r["peak_rss_mb_per_rank"] if p is not None)
+        peaks = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["step_memory_mb_per_rank"])
         print(f"{r['impl']:<18}{r['schedule']:<9}{r['M']:>3}{r['seconds']:>9.4f}"
-              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{peaks:>20}")
+              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{peaks:>16}")
     for m in args.microbatches:
         ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
         theirs = {r["schedule"]: r["seconds"] for r in rows
