@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from .affinity import bind_cpus
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import CHECKPOINT_MODES
+from .checkpoint import CHECKPOINT_MODES, fork_rng
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, scatter
 from .partition import split_module, verify_module
@@ -202,6 +202,7 @@ class DistributedGPipe(nn.Module):
             checkpoint=checkpoint,
             seed=self.seed,
             loss_fn=loss_fn if self.stage_index == self.num_stages - 1 else None,
+            restore_rng=False,  # _run_step forks the random state once per step
         )
         self.transport = DistributedTransport(
             self.stage_index, self.stage_ranks, self.device, group=None, timeout_s=timeout_s
@@ -344,7 +345,8 @@ class DistributedGPipe(nn.Module):
         else:
             self.stage.loss_scale = None
         self.stage.begin_step(step, num_microbatches)
-        self.runtime.run(actions, state)
+        with fork_rng([self.device]):  # layers draw from their own seeded streams
+            self.runtime.run(actions, state)
         self.transport.finish()
         outputs = None
         if self.is_last:

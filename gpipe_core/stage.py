@@ -57,8 +57,12 @@ class Stage:
         seed: int,
         loss_fn: LossFn | None = None,
         loss_scale: float | Callable[[int], float] | None = None,
+        restore_rng: bool = True,
     ) -> None:
         self.layers = list(layers)
+        # Give the caller's random state back after every forward; a caller that forks it
+        # once around a whole step (DistributedGPipe) saves that per-action cost.
+        self.restore_rng = restore_rng
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.first_layer_index = first_layer_index
@@ -161,7 +165,7 @@ class Stage:
         return loss * scale if scale is not None and scale != 1.0 else loss
 
     def _run_layers(self, step: int, mb: int, x: Any) -> Any:
-        with fork_rng([self.device]):
+        with fork_rng([self.device]) if self.restore_rng else nullcontext():
             for offset, (name, layer) in enumerate(self.layers):
                 layer_index = self.first_layer_index + offset
                 seed_rng(derive_seed(self.seed, step, mb, layer_index), self.device)

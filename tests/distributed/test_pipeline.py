@@ -159,7 +159,9 @@ def run_dropout(rank: int, world: int, balance: list[int]) -> Any:
     pipe = gp.DistributedGPipe(build(p=0.3), balance, chunks=4, loss_fn=loss_fn, seed=77,
                                checkpoint="always")
     (x, mask), y = make_batch(0, n=8)
+    before = torch.get_rng_state()
     loss = pipe.step((x, mask), y)
+    assert torch.equal(torch.get_rng_state(), before)  # dropout drew from its own streams
     return float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()}
 
 
