@@ -17,7 +17,8 @@ from typing import Literal
 
 import torch
 
-__all__ = ["CheckpointMode", "CHECKPOINT_MODES", "checkpoint_stop", "derive_seed", "fork_rng", "seed_rng"]
+__all__ = ["CheckpointMode", "CHECKPOINT_MODES", "checkpoint_stop", "derive_seed", "fork_rng",
+           "layer_seeds", "seed_rng"]
 
 CheckpointMode = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
@@ -56,10 +57,19 @@ def derive_seed(seed: int, step: int, mb_index: int, layer_index: int) -> int:
     The parts are combined as a polynomial in a large odd multiplier (mod 2^64), then scrambled
     once by splitmix64: cheap enough to run for every layer of every micro-batch.
     """
+    return layer_seeds(seed, step, mb_index, layer_index, 1)[0]
+
+
+def layer_seeds(seed: int, step: int, mb_index: int, first_layer: int, count: int) -> list[int]:
+    """``derive_seed`` for layers ``first_layer ... first_layer + count - 1`` at once."""
     value = seed & _MASK64
-    for part in (step, mb_index, layer_index):
+    for part in (step, mb_index):
         value = (value * _MULTIPLIER + (part & _MASK64)) & _MASK64
-    return _splitmix64(value) >> 1
+    value = (value * _MULTIPLIER) & _MASK64
+    return [
+        _splitmix64((value + (layer & _MASK64)) & _MASK64) >> 1
+        for layer in range(first_layer, first_layer + count)
+    ]
 
 
 @contextmanager

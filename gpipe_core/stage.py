@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import checkpoint_stop, derive_seed, fork_rng, seed_rng
+from .checkpoint import checkpoint_stop, fork_rng, layer_seeds, seed_rng
 from .microbatch import flatten, unflatten
 
 __all__ = ["Stage", "LossFn"]
@@ -165,12 +165,13 @@ class Stage:
         return loss * scale if scale is not None and scale != 1.0 else loss
 
     def _run_layers(self, step: int, mb: int, x: Any) -> Any:
+        seeds = layer_seeds(self.seed, step, mb, self.first_layer_index, len(self.layers))
         with fork_rng([self.device]) if self.restore_rng else nullcontext():
-            for offset, (name, layer) in enumerate(self.layers):
-                layer_index = self.first_layer_index + offset
-                seed_rng(derive_seed(self.seed, step, mb, layer_index), self.device)
+            for offset, ((name, layer), seed) in enumerate(zip(self.layers, seeds, strict=True)):
+                seed_rng(seed, self.device)
                 x = layer(x)
-                _check_output(x, layer_index, name)
+                if not isinstance(x, Tensor):
+                    _check_output(x, self.first_layer_index + offset, name)
         return x
 
     # -- backward --------------------------------------------------------------------------

@@ -339,7 +339,7 @@ class DistributedTransport(Transport):
         leaves, spec = flatten(payload)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         skeleton = pickle.dumps((spec, [_TENSOR if isinstance(x, Tensor) else x for x in leaves]))
-        if skeleton == channel.skeleton:
+        if skeleton == channel.skeleton:  # sent only when it changed
             skeleton = b""
         else:
             channel.skeleton = skeleton
@@ -391,11 +391,11 @@ class DistributedTransport(Transport):
         if posted is None:
             posted = self._post_recv(stage, channel.predicted)
         buffer = self._wait(posted, stage)
-        header = _PREFIX.unpack(buffer[:_PREFIX_BYTES].cpu().numpy().tobytes())
+        header = _PREFIX.unpack_from(_host(buffer, _PREFIX_BYTES))
         if header[1] == _KIND_RESIZE:
             channel.predicted = header[0]
             buffer = self._wait(self._post_recv(stage, channel.predicted), stage)
-            header = _PREFIX.unpack(buffer[:_PREFIX_BYTES].cpu().numpy().tobytes())
+            header = _PREFIX.unpack_from(_host(buffer, _PREFIX_BYTES))
         _, _, num_meta, skeleton_len, step, num_microbatches, loss_bits, _ = header
         if expect_step is not None and step != expect_step:
             raise StepMismatch(
@@ -408,10 +408,10 @@ class DistributedTransport(Transport):
         if self.use_tags and channel.remaining > 0 and event in self._post_now:
             channel.posted = self._post_recv(stage, channel.predicted)  # the next finds it waiting
         meta_end = _PREFIX_BYTES + 8 * num_meta
-        raw = buffer[_PREFIX_BYTES : meta_end + skeleton_len].cpu().numpy().tobytes()
-        meta = struct.unpack(f"<{num_meta}q", raw[: 8 * num_meta])
+        host = _host(buffer, meta_end + skeleton_len)
+        meta = struct.unpack_from(f"<{num_meta}q", host, _PREFIX_BYTES)
         if skeleton_len:
-            channel.skeleton = pickle.loads(raw[8 * num_meta :])
+            channel.skeleton = pickle.loads(host[meta_end : meta_end + skeleton_len])
         spec, kinds = channel.skeleton
         offset = _aligned(meta_end + skeleton_len)
         tensors: list[Tensor] = []
@@ -468,6 +468,13 @@ def plan_receives(
                 post_now.add(waiting[peer])
         waiting[peer] = index
     return post_now, post_after_send
+
+
+def _host(buffer: Tensor, nbytes: int) -> Any:
+    """The first ``nbytes`` of a uint8 buffer as host memory that ``struct`` can read."""
+    if buffer.device.type == "cpu":
+        return buffer.numpy()  # shares the buffer's memory, no copy
+    return buffer[:nbytes].cpu().numpy()
 
 
 def _as_bytes(data: bytes) -> Tensor:
