@@ -16,7 +16,7 @@ Wire format: one distributed message per transfer, a byte buffer on the stage's 
                    micro-batches in the step, step loss (float64 bits, or NaN), 0]
     int64 meta    (dtype, requires_grad, ndim, *shape) per tensor leaf
     skeleton      pickled nesting and non-tensor leaves; only when it differs from the last one
-    tensors       each tensor's bytes, 16-byte aligned; received tensors are views of the buffer
+    tensors       each tensor's bytes, 64-byte aligned; received tensors are views of the buffer
 
 A receive must be posted with the message's exact size, which both sides predict the same way:
 the size of the previous message on the same channel. When a message's size differs from that
@@ -133,7 +133,7 @@ class PeerError(RuntimeError):
         self.peer_stage = peer_stage
 
 
-_ALIGN = 16
+_ALIGN = 64  # cache line: received tensors are views of the buffer at these offsets
 # Prefix, eight int64: total bytes, kind, meta ints, skeleton bytes, step, micro-batches in the
 # step, the step's loss (float64 bits; on a step's last gradient message), reserved.
 _PREFIX = struct.Struct("<8q")
