@@ -7,8 +7,8 @@ in machine load touch all alike): the plain module in rank 0 on the whole batch 
 micro-batches in a row, our ``DistributedGPipe`` (fill-drain and 1F1B) and
 ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each row: median
 seconds per training step, speedup over the plain run, efficiency against the ideal pipeline
-(the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and the resident
-memory a step adds on each rank. Writes JSON and a PNG of speedup against M.
+(the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and each rank's
+peak resident memory during a step, with the part of it the step itself added. Writes JSON and a PNG of speedup against M.
 
     python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 15]
 """
@@ -85,22 +85,23 @@ def rss_mb(field: str) -> float | None:
     return None
 
 
-def step_memory_mb(fn: Any) -> float | None:
-    """Resident memory a step adds at its peak over what the process held before it.
+def step_memory_mb(fn: Any) -> tuple[float | None, float | None]:
+    """Peak resident memory during one step, and how much of it the step itself added.
 
     Memory the allocator cached from earlier steps is first returned to the system
-    (``malloc_trim``), and the high-water mark restarted (/proc/self/clear_refs), so the peak
-    counts what this step itself touches: activations kept for backward, gradients, messages.
+    (``malloc_trim``) and the high-water mark restarted (/proc/self/clear_refs), so the peak
+    is this step's, and the part above the resident size before it counts what the step
+    touches: activations kept for backward, gradients, messages.
     """
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
-        return None
+        return None, None
     before = rss_mb("VmRSS")
     timed_step(fn)
     peak = rss_mb("VmHWM")
-    return None if before is None or peak is None else peak - before
+    return peak, None if before is None or peak is None else peak - before
 
 
 def plain_steps(model: nn.Sequential, x: Tensor, y: Tensor, m: int, rank: int) -> dict[str, Any]:
@@ -144,7 +145,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             if step is not None:
                 configs[(impl, schedule)] = step
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
-        peaks: dict[tuple[str, str], float | None] = {}
+        peaks: dict[tuple[str, str], tuple[float | None, float | None]] = {}
         for round_ in range(args.warmup + args.steps):
             for key, fn in configs.items():
                 if round_ == args.warmup - 1:  # a warm step, untimed
@@ -158,7 +159,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             dist.all_gather_object(rank_peaks, peaks[(impl, schedule)])
             rows.append({"impl": impl, "schedule": schedule, "M": m,
                          "seconds": statistics.median(samples), "samples": samples,
-                         "step_memory_mb_per_rank": rank_peaks})
+                         "peak_rss_mb_per_rank": [p for p, _ in rank_peaks],
+                         "step_memory_mb_per_rank": [d for _, d in rank_peaks]})
     if rank == 0:
         Path(root, "rows.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -232,11 +234,12 @@ def main() -> None:
     print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
           f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}")
     print(f"{'impl':<18}{'schedule':<9}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}"
-          f"{'step MB/rank':>16}")
+          f"{'peak RSS MB/rank':>18}{'step adds MB':>14}")
     for r in rows:
-        peaks = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["step_memory_mb_per_rank"])
+        peaks = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["peak_rss_mb_per_rank"])
+        added = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["step_memory_mb_per_rank"])
         print(f"{r['impl']:<18}{r['schedule']:<9}{r['M']:>3}{r['seconds']:>9.4f}"
-              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{peaks:>16}")
+              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{peaks:>18}{added:>14}")
     for m in args.microbatches:
         ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
         theirs = {r["schedule"]: r["seconds"] for r in rows

@@ -1,0 +1,46 @@
+"""scripts/bench_pipeline.py runs end to end on a tiny model (its numbers are not checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.distributed
+def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "2",
+         "--width", "16", "--batch", "8", "--seq", "2", "--microbatches", "1", "2",
+         "--steps", "2", "--warmup", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "bench_pipeline.json").read_text())
+    rows = {(r["impl"], r["schedule"], r["M"]): r for r in report["rows"]}
+    for m in (1, 2):
+        for key in (("plain", "whole"), ("plain", "chunked"), ("gpipe_core", "gpipe"),
+                    ("gpipe_core", "1f1b"), ("torch.pipelining", "gpipe")):
+            row = rows[(*key, m)]
+            assert row["seconds"] > 0 and len(row["samples"]) == 2
+            assert row["efficiency"] > 0 and row["speedup"] > 0
+            assert len(row["peak_rss_mb_per_rank"]) == 2
+    assert ("torch.pipelining", "1f1b", 1) not in rows  # Schedule1F1B needs M >= K
+    assert ("torch.pipelining", "1f1b", 2) in rows
+    assert (out / "bench_pipeline.png").stat().st_size > 0
+    assert "torch.pipelining time / gpipe_core time" in result.stdout
+
+
+def test_bench_pipeline_rejects_zero_rounds() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--warmup", "0"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "--warmup 0 and --steps 15 must be at least 1" in result.stderr
