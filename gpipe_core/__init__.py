@@ -1,7 +1,7 @@
 """GPipe pipeline parallelism for PyTorch: micro-batches, re-materialization, schedules as data."""
 
-from .affinity import bind_cpus
 from .batchnorm import DeferredBatchNorm
+from .cpu import bind_cpus, hold_freed_memory
 from .distributed import (
     DistributedGPipe,
     PipelineFailure,
@@ -22,6 +22,7 @@ __all__ = [
     "PipelineFailure",
     "init_process_groups",
     "bind_cpus",
+    "hold_freed_memory",
     "load_checkpoint",
     "save_checkpoint",
     "materialize",

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .affinity import bind_cpus
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import CHECKPOINT_MODES, fork_rng
+from .cpu import bind_cpus, hold_freed_memory
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, scatter
 from .partition import split_module, verify_module
@@ -59,6 +59,7 @@ def init_process_groups(
     backend: str | None = None,
     timeout_s: float = 60.0,
     pin_cpus: bool = False,
+    hold_memory: bool = False,
 ) -> tuple[Any, Any]:
     """Initialise torch.distributed from torchrun's environment and build the two groups.
 
@@ -67,10 +68,13 @@ def init_process_groups(
     Returns ``(pipeline_group, data_parallel_group)`` of the calling rank; the data-parallel
     group links the ranks that hold the same stage. Backend: NCCL with CUDA, else gloo.
     ``pin_cpus``: first give each local rank its own share of the CPU cores
-    (:func:`~gpipe_core.bind_cpus`); worth it when stages compute on the CPU.
+    (:func:`~gpipe_core.bind_cpus`); ``hold_memory``: keep freed blocks mapped
+    (:func:`~gpipe_core.hold_freed_memory`). Both are worth it when stages compute on the CPU.
     """
     if pin_cpus:
         bind_cpus()
+    if hold_memory:
+        hold_freed_memory()
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,7 +1,8 @@
 """DistributedGPipe against the plain module and torch.distributed.pipelining, side by side.
 
 One run, one model, one batch, one thread per process: two gloo processes (K=2), each pinned to
-its own core (``gp.bind_cpus``; ``--no-pin`` leaves placement to the OS). For each M in 1, 2,
+its own core (``gp.bind_cpus``; ``--no-pin`` leaves placement to the OS) and keeping freed
+memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's defaults). For each M in 1, 2,
 4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
 micro-batches in a row, our ``DistributedGPipe`` (fill-drain and 1F1B) and
@@ -126,6 +127,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
         gp.bind_cpus(rank, K)  # one core per rank; torch threads = 1
     else:
         torch.set_num_threads(1)
+    if args.hold_memory:
+        gp.hold_freed_memory()  # for every row alike, the plain module's included
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
                             world_size=K, timeout=datetime.timedelta(seconds=120))
     x, y = data(args)
@@ -212,6 +215,8 @@ def main() -> None:
                         help="gpipe_core re-materialization (torch.pipelining has none)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin each rank to its own core (gp.bind_cpus)")
+    parser.add_argument("--no-hold-memory", dest="hold_memory", action="store_false",
+                        help="leave glibc's malloc thresholds alone (gp.hold_freed_memory)")
     parser.add_argument("--out", default="out/bench_pipeline")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
@@ -232,7 +237,8 @@ def main() -> None:
     (out / "bench_pipeline.json").write_text(json.dumps(report, indent=1))
     whole = statistics.median(s for (_, schedule), s in plain.items() if schedule == "whole")
     print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
-          f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}")
+          f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}; freed memory held: "
+          f"{args.hold_memory}")
     print(f"{'impl':<18}{'schedule':<9}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}"
           f"{'peak RSS MB/rank':>18}{'step adds MB':>14}")
     for r in rows:
