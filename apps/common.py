@@ -16,6 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from apps.config import ConfigError, save_config
+
 KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
 LATEST = "latest"
 
@@ -40,6 +45,58 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
     older = sorted(p for p in out_dir.glob("step-*") if p.is_dir() and p != path)
     for old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def refuse_existing_run(out_dir: Path) -> None:
+    """A fresh run must not overwrite another's checkpoints: ask for --resume or a new out_dir."""
+    if (out_dir / LATEST).exists():
+        raise ConfigError(
+            f"out_dir={out_dir} already holds a run (see {out_dir / LATEST}); pass --resume to "
+            "continue it, or another --out_dir"
+        )
+
+
+def train_state_path(checkpoint: Path, rank: int) -> Path:
+    """Where ``rank`` keeps its optimizer, counters and data position in a checkpoint."""
+    return checkpoint / f"train-state-rank{rank:03d}.pt"
+
+
+def load_train_state(checkpoint: Path, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's train state from ``checkpoint``; a clear error if the world size changed."""
+    path = train_state_path(checkpoint, rank)
+    if not path.is_file():
+        raise ConfigError(
+            f"--resume: {path} is missing; resume with the world size the checkpoint was "
+            f"written with (this run has {world_size} ranks)"
+        )
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    return state
+
+
+def write_checkpoint(
+    out_dir: Path,
+    step: int,
+    pipe: Any,
+    state: dict[str, Any],
+    config: Any,
+    *,
+    rank: int,
+    files: dict[str, str],
+) -> Path:
+    """Checkpoint after ``step``: the pipeline's shards and every rank's ``state`` (collective),
+    then on rank 0 the config and ``files`` (name -> text); ``latest`` moves once all are on disk.
+    """
+    path = checkpoint_dir(out_dir, step)
+    pipe.save_checkpoint(path)
+    torch.save(state, train_state_path(path, rank))
+    if rank == 0:
+        save_config(config, path / "config.yaml")
+        for name, text in files.items():
+            (path / name).write_text(text)
+    dist.barrier()
+    if rank == 0:
+        publish_checkpoint(out_dir, path)
+    return path
 
 
 def resolve_checkpoint(path: str | Path, *, train_command: str) -> Path:

@@ -71,8 +71,10 @@ from apps.amoebanet.data import (
 from apps.common import (
     RunLogger,
     checkpoint_dir,
-    publish_checkpoint,
+    load_train_state,
+    refuse_existing_run,
     resolve_checkpoint,
+    write_checkpoint,
 )
 from apps.config import ConfigError, load_config, parse_overrides, save_config
 
@@ -430,18 +432,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 f"--resume from {resume_dir}: the config differs in {differ} (saved, given); "
                 "resume with the saved settings or start a new out_dir"
             )
-        state_path = resume_dir / f"train-state-rank{rank:03d}.pt"
-        if not state_path.is_file():
-            raise ConfigError(
-                f"--resume: {state_path} is missing; resume with the world size the checkpoint "
-                f"was written with (this run has {world_size} ranks)"
-            )
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-    elif (out_dir / "latest").exists():
-        raise ConfigError(
-            f"out_dir={out_dir} already holds a run (see {out_dir / 'latest'}); pass --resume to "
-            "continue it, or another --out_dir"
-        )
+        state = load_train_state(resume_dir, rank, world_size)
+    else:
+        refuse_existing_run(out_dir)
 
     # --- model: built on meta; each rank materializes only its own stage ------------------
     model = build_model(config, device="meta")
@@ -510,10 +503,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     logger = RunLogger(config, out_dir, resume_step=step, enabled=master)
 
     def save(step: int) -> Path:
-        """Checkpoint: shards (collective), per-rank state, config, run.json; then ``latest``."""
-        path = checkpoint_dir(out_dir, step)
-        pipe.save_checkpoint(path)
-        torch.save({
+        """Checkpoint: shards, per-rank state (RNGs included), config and run.json (collective)."""
+        state = {
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "step": step,
@@ -526,18 +517,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "world_size": world_size,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state()},
-        }, path / f"train-state-rank{rank:03d}.pt")
-        if master:
-            save_config(config, path / "config.yaml")
-            (path / "run.json").write_text(json.dumps({
-                "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-                "balance": balance, "num_stages": config.num_stages, "world_size": world_size,
-                "classes": classes, "parameters": num_params,
-            }, indent=1) + "\n")
-        dist.barrier()
-        if master:
-            publish_checkpoint(out_dir, path)
-        return path
+        }
+        run_json = json.dumps({
+            "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "balance": balance, "num_stages": config.num_stages, "world_size": world_size,
+            "classes": classes, "parameters": num_params,
+        }, indent=1) + "\n"
+        return write_checkpoint(out_dir, step, pipe, state, config, rank=rank,
+                                files={"run.json": run_json})
 
     eval_seconds_per_image: float | None = None
     eval_images = split_images(config, config.eval_split)

@@ -34,7 +34,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 import gpipe_core as gp
-from apps.common import RunLogger, checkpoint_dir, publish_checkpoint
+from apps.common import (
+    RunLogger,
+    checkpoint_dir,
+    load_train_state,
+    refuse_existing_run,
+    write_checkpoint,
+)
 from apps.config import ConfigError, save_config
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, model_kwargs, replace
 from apps.nmt.data import Batch, TrainBatches, load_manifest, load_tokenizer
@@ -248,24 +254,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 f"--resume from {resume_dir}: the config differs in {differ} (saved, given); "
                 "resume with the saved settings or start a new out_dir"
             )
-        state_path = resume_dir / f"train-state-rank{rank:03d}.pt"
-        if not state_path.exists():
-            raise ConfigError(
-                f"--resume: {state_path} is missing; resume with the world size the checkpoint "
-                f"was written with (this run has {world_size} ranks)"
-            )
+        state = load_train_state(resume_dir, rank, world_size)
         pipe.load_checkpoint(resume_dir)
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         batches.load_state_dict(state["data"])
         step, tokens_seen, train_seconds = state["step"], state["tokens"], state["train_seconds"]
         pipe.steps_done = state["pipe_steps"]  # seeds dropout: must continue, not restart
         say(f"resumed from {resume_dir} at step {step}")
-    elif (out_dir / "latest").exists():
-        raise ConfigError(
-            f"out_dir={out_dir} already holds a run (see {out_dir / 'latest'}); pass --resume to "
-            "continue it, or another --out_dir"
-        )
+    else:
+        refuse_existing_run(out_dir)
     dist.barrier()
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -273,9 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     logger = RunLogger(config, out_dir, resume_step=step, enabled=master)
 
     def save(step: int) -> Path:
-        """Checkpoint: shards (collective), per-rank state, config, tokenizer; then ``latest``."""
-        path = checkpoint_dir(out_dir, step)
-        pipe.save_checkpoint(path)
+        """Checkpoint: shards, per-rank state, config and tokenizer (collective)."""
         state = {
             "optimizer": optimizer.state_dict(),
             "data": batches.state_dict(),
@@ -285,18 +280,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "pipe_steps": pipe.steps_done,
             "world_size": world_size,
         }
-        torch.save(state, path / f"train-state-rank{rank:03d}.pt")
-        if master:
-            save_config(config, path / "config.yaml")
-            (path / "tokenizer.json").write_text(json.dumps({
-                "fingerprint": tokenizer.fingerprint,
-                "vocab_size": tokenizer.vocab_size,
-                "data_dir": str(config.data_dir),
-            }) + "\n")
-        dist.barrier()
-        if master:
-            publish_checkpoint(out_dir, path)
-        return path
+        tokenizer_json = json.dumps({
+            "fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size,
+            "data_dir": str(config.data_dir),
+        }) + "\n"
+        return write_checkpoint(out_dir, step, pipe, state, config, rank=rank,
+                                files={"tokenizer.json": tokenizer_json})
 
     def run_eval(path: Path, max_per_lang: int | None) -> dict[str, Any] | None:
         """Dev BLEU of the checkpoint at ``path`` on the plain model; every rank translates a
