@@ -228,17 +228,18 @@ class DistributedTransport(Transport):
     def recv_gradient(self, mb: int) -> list[Tensor | None]:
         return self._recv(self.stage_index + 1)
 
-    def recv_step(self) -> tuple[int, int]:
-        """Wait for the previous stage's first activation of a step: ``(micro-batches, step)``.
+    def recv_step(self, step: int) -> int:
+        """Wait for the previous stage's first activation of ``step``; return the step's
+        micro-batch count (:class:`StepMismatch` if the neighbour is at another step).
 
         The activation itself is kept for the step's first :meth:`recv_activation`.
         """
         stage = self.stage_index - 1
         channel = self._recv_channels.setdefault(stage, _Channel())
         channel.remaining = 1  # the step's size is not known yet: take one message only
-        payload, step, num_microbatches, _ = self._recv_message(stage, expect_step=None)
+        payload, num_microbatches, _ = self._recv_message(stage, step)
         self._first_activation = (payload,)
-        return num_microbatches, step
+        return num_microbatches
 
     def begin_step(self, step: int, num_microbatches: int, actions: Sequence[Action]) -> None:
         """Start ``step`` of ``num_microbatches``, in which this stage runs ``actions``.
@@ -379,13 +380,14 @@ class DistributedTransport(Transport):
         self._event += 1
 
     def _recv(self, stage: int) -> Any:
-        payload, _, _, loss = self._recv_message(stage, expect_step=self.step)
+        payload, _, loss = self._recv_message(stage, self.step)
         if not math.isnan(loss):
             self.received_loss = loss
         return payload
 
-    def _recv_message(self, stage: int, expect_step: int | None) -> tuple[Any, int, int, float]:
-        """The next message from ``stage``: ``(payload, step, micro-batches, loss or nan)``."""
+    def _recv_message(self, stage: int, expect_step: int) -> tuple[Any, int, float]:
+        """The next message of ``expect_step`` from ``stage``: ``(payload, micro-batches, loss
+        or nan)``."""
         channel = self._recv_channels.setdefault(stage, _Channel())
         posted, channel.posted = channel.posted, None
         if posted is None:
@@ -397,7 +399,7 @@ class DistributedTransport(Transport):
             buffer = self._wait(self._post_recv(stage, channel.predicted), stage)
             header = _PREFIX.unpack_from(_host(buffer, _PREFIX_BYTES))
         _, _, num_meta, skeleton_len, step, num_microbatches, loss_bits, _ = header
-        if expect_step is not None and step != expect_step:
+        if step != expect_step:
             raise StepMismatch(
                 f"stage {self.stage_index} is at step {expect_step} but stage {stage} sent a "
                 f"message of step {step}; every rank must call step() and evaluate() the same "
@@ -427,7 +429,7 @@ class DistributedTransport(Transport):
             offset = _aligned(offset + nbytes)
         values = iter(tensors)
         leaves = [next(values) if kind_ == _TENSOR else kind_ for kind_ in kinds]
-        return unflatten(leaves, spec), step, num_microbatches, _bits_float(loss_bits)
+        return unflatten(leaves, spec), num_microbatches, _bits_float(loss_bits)
 
 
 def plan_receives(
