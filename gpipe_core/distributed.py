@@ -111,7 +111,10 @@ class DistributedGPipe(nn.Module):
         balance: layers per stage; ``len(balance)`` must equal the pipeline group's size.
         chunks: micro-batches per step (M).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
-        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"``, or a :class:`Schedule` factory result.
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"``, ``"1f1b_slack1"`` (1F1B with one more
+            forward ahead on every stage but the last: hides message latency for one more
+            micro-batch's activations; see :func:`~gpipe_core.one_f_one_b`), or a factory
+            ``(num_stages, num_microbatches) -> Schedule``.
         loss_fn: ``loss_fn(output_mb, target_mb) -> 0-dim tensor``, run on the last stage.
         loss_reduction: ``"mean"`` averages the micro-batch losses; ``"sum"`` adds them (then
             pass ``normalizer=`` to :meth:`step`, e.g. the number of target tokens).

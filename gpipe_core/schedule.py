@@ -212,15 +212,24 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("gpipe", num_stages, num_microbatches, actions)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, *, slack: int = 0) -> Schedule:
     """1F1B (PipeDream-flush): warm up with K-1-s forwards, then alternate F and B, then drain.
 
     Same bubble as fill-drain but stage s holds at most K-s micro-batches' activations at once.
+
+    In the steady state each stage's next backward waits on the message the next stage sends
+    when it finishes its own backward, so every message's latency is paid once per micro-batch
+    (fill-drain pays it only while filling and draining). ``slack`` extra warm-up forwards on
+    every stage but the last hide it: the gradient a stage waits for is then one forward older.
+    Each costs one more micro-batch's activations on those stages.
     """
     _check_sizes(num_stages, num_microbatches)
+    if slack < 0:
+        raise ValueError(f"slack={slack} must be >= 0 (extra warm-up forwards per stage)")
     rows = []
     for s in range(num_stages):
-        warmup = min(num_stages - 1 - s, num_microbatches)
+        extra = slack if s < num_stages - 1 else 0
+        warmup = min(num_stages - 1 - s + extra, num_microbatches)
         row = [Action(s, "F", m) for m in range(warmup)]
         next_f, next_b = warmup, 0
         while next_f < num_microbatches:
@@ -230,9 +239,11 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
             next_b += 1
         row.extend(Action(s, "B", m) for m in range(next_b, num_microbatches))
         rows.append(tuple(row))
-    return Schedule("1f1b", num_stages, num_microbatches, tuple(rows))
+    name = "1f1b" if slack == 0 else f"1f1b_slack{slack}"
+    return Schedule(name, num_stages, num_microbatches, tuple(rows))
 
 
+_SLACK_RE = re.compile(r"^1f1b_slack(\d+)$")
 _SCHEDULES = {"gpipe": gpipe, "fill_drain": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b}
 
 
@@ -247,10 +258,16 @@ def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int) -
             )
         validate(name)
         return name
+    slack = _SLACK_RE.match(name)
+    if slack is not None:
+        return one_f_one_b(num_stages, num_microbatches, slack=int(slack.group(1)))
     try:
         factory = _SCHEDULES[name]
     except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(_SCHEDULES)}") from None
+        raise ValueError(
+            f"unknown schedule {name!r}; choose one of {sorted(_SCHEDULES)} or '1f1b_slackN' "
+            "(1F1B with N extra warm-up forwards)"
+        ) from None
     return factory(num_stages, num_microbatches)
 
 

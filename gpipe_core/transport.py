@@ -24,6 +24,9 @@ prediction (the first message, a new sequence length, an uneven last micro-batch
 first sends a RESIZE message of the predicted size that announces the new one. With gloo the
 receiver posts the next receive as soon as the current one arrives, so a message lands in a
 waiting buffer and every transfer is a single message: no header round trip per micro-batch.
+Posting early matters: gloo writes a message's data only once the receiver's receive is
+posted; a send that comes first is parked, and the sender's I/O thread must wake again (on a
+core busy with the sender's compute) to write it when the receive is announced.
 NCCL ignores tags and matches messages in order, so there receives are posted when needed.
 
 The step number and micro-batch count in every prefix spare a header message per step: a stage
@@ -206,9 +209,6 @@ class DistributedTransport(Transport):
         self.num_microbatches = 0
         self._first_activation: tuple[Any] | None = None  # read by recv_step, not yet taken
         self.loss_source: Callable[[], float] | None = None  # the last stage's step loss
-        self._event = 0  # index of this stage's next send or receive in the step
-        self._post_now: set[int] = set()
-        self._post_after_send: dict[int, list[int]] = {}
         self.received_loss = math.nan  # the step loss from the last gradient message
 
     # -- public ----------------------------------------------------------------------------
@@ -245,8 +245,7 @@ class DistributedTransport(Transport):
         """Start ``step`` of ``num_microbatches``, in which this stage runs ``actions``.
 
         Every message of the step carries both numbers. Counts the messages to expect from
-        each neighbour and, with gloo, posts the first receive of each channel and plans when
-        to post the others (:func:`plan_receives`).
+        each neighbour and, with gloo, posts the first receive of each channel.
         """
         self.step, self.num_microbatches = step, num_microbatches
         self.received_loss = math.nan
@@ -256,19 +255,11 @@ class DistributedTransport(Transport):
         expected = {self.stage_index - 1: num_microbatches - int(first_taken)}
         if backward:
             expected[self.stage_index + 1] = num_microbatches
-        self._post_now, self._post_after_send = plan_receives(
-            self.stage_index, len(self.stage_ranks), actions
-        )
-        self._event = 0
         for stage, count in expected.items():
             if not 0 <= stage <= last:
                 continue
             channel = self._recv_channels.setdefault(stage, _Channel())
             channel.remaining = count
-            if stage == self.stage_index - 1 and first_taken:
-                self._event = 1  # event 0, the first activation, happened in recv_step
-                if 0 not in self._post_now:
-                    continue  # its successor's receive is posted along with a send
             if self.use_tags and count > 0 and channel.posted is None:
                 channel.posted = self._post_recv(stage, channel.predicted)
         for stage in (self.stage_index - 1, self.stage_index + 1):
@@ -373,11 +364,6 @@ class DistributedTransport(Transport):
                 tensor.detach()
             )
         self._isend(packed, stage, _TAG_DATA)
-        if stage in self._post_after_send.pop(self._event, ()):  # wakes the peer once for both
-            receiving = self._recv_channels[stage]
-            if self.use_tags and receiving.remaining > 0 and receiving.posted is None:
-                receiving.posted = self._post_recv(stage, receiving.predicted)
-        self._event += 1
 
     def _recv(self, stage: int) -> Any:
         payload, _, loss = self._recv_message(stage, self.step)
@@ -406,8 +392,7 @@ class DistributedTransport(Transport):
                 "number of times, in the same order"
             )
         channel.remaining -= 1
-        event, self._event = self._event, self._event + 1
-        if self.use_tags and channel.remaining > 0 and event in self._post_now:
+        if self.use_tags and channel.remaining > 0:
             channel.posted = self._post_recv(stage, channel.predicted)  # the next finds it waiting
         meta_end = _PREFIX_BYTES + 8 * num_meta
         host = _host(buffer, meta_end + skeleton_len)
@@ -430,46 +415,6 @@ class DistributedTransport(Transport):
         values = iter(tensors)
         leaves = [next(values) if kind_ == _TENSOR else kind_ for kind_ in kinds]
         return unflatten(leaves, spec), num_microbatches, _bits_float(loss_bits)
-
-
-def plan_receives(
-    stage_index: int, num_stages: int, actions: Sequence[Action]
-) -> tuple[set[int], dict[int, list[int]]]:
-    """When to post each receive after a channel's first: ``(post_now, post_after_send)``.
-
-    The stage's sends and receives, in action order, are numbered events (an F receives from
-    the previous stage then sends to the next; a B the converse). A receive is posted ahead
-    so that the message finds it waiting. If the stage sends to the same neighbour before the
-    message is due, the receive is posted right after that send, so the neighbour's I/O
-    thread wakes once for both (1F1B's alternation); otherwise right after the channel's
-    previous receive (``post_now``: event numbers of those receives). ``post_after_send``
-    maps a send's event number to the neighbours whose next receive it posts.
-    """
-    events: list[tuple[str, int]] = []
-    for action in actions:
-        forward = action.kind == "F"
-        source, target = (stage_index - 1, stage_index + 1) if forward else (
-            stage_index + 1, stage_index - 1)
-        if 0 <= source < num_stages:
-            events.append(("recv", source))
-        if 0 <= target < num_stages:
-            events.append(("send", target))
-    post_now: set[int] = set()
-    post_after_send: dict[int, list[int]] = {}
-    waiting: dict[int, int] = {}  # neighbour -> its last receive so far
-    first_send: dict[int, int] = {}  # neighbour -> first send to it since that receive
-    for index, (kind, peer) in enumerate(events):
-        if kind == "send":
-            if peer in waiting:
-                first_send.setdefault(peer, index)
-            continue
-        if peer in waiting:  # plan the post of this receive
-            if peer in first_send:
-                post_after_send.setdefault(first_send.pop(peer), []).append(peer)
-            else:
-                post_now.add(waiting[peer])
-        waiting[peer] = index
-    return post_now, post_after_send
 
 
 def _host(buffer: Tensor, nbytes: int) -> Any:

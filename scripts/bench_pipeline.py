@@ -5,8 +5,8 @@ its own core (``gp.bind_cpus``; ``--no-pin`` leaves placement to the OS) and kee
 memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's defaults). For each M in 1, 2,
 4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
-micro-batches in a row, our ``DistributedGPipe`` (fill-drain and 1F1B) and
-``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each row: median
+micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, and 1F1B with one forward
+of slack) and ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each row: median
 seconds per training step, speedup over the plain run, efficiency against the ideal pipeline
 (the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and each rank's
 peak resident memory during a step, with the part of it the step itself added. Writes JSON and a PNG of speedup against M.
@@ -142,6 +142,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
         for schedule, fn in plain_steps(plain_model, x, y, m, rank).items():
             configs[("plain", schedule)] = fn
         for impl, schedule in (("gpipe_core", "gpipe"), ("gpipe_core", "1f1b"),
+                               ("gpipe_core", "1f1b_slack1"),
                                ("torch.pipelining", "gpipe"), ("torch.pipelining", "1f1b")):
             model = build(args.blocks, args.width)
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint)
@@ -250,7 +251,8 @@ def main() -> None:
         ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
         theirs = {r["schedule"]: r["seconds"] for r in rows
                   if r["M"] == m and r["impl"] == "torch.pipelining"}
-        ratios = ", ".join(f"{s}: {theirs[s] / ours[s]:.2f}x" for s in ours if s in theirs)
+        ratios = ", ".join(f"{s}: {theirs[s.split('_')[0]] / ours[s]:.2f}x" for s in ours
+                           if s.split("_")[0] in theirs)
         print(f"M={m}: torch.pipelining time / gpipe_core time: {ratios}")
     plot(rows, out / "bench_pipeline.png")
     print(f"wrote {out}/bench_pipeline.json and bench_pipeline.png")
@@ -264,7 +266,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for impl in ("gpipe_core", "torch.pipelining"):
-        for schedule, style in (("gpipe", "-o"), ("1f1b", "--s")):
+        for schedule, style in (("gpipe", "-o"), ("1f1b", "--s"), ("1f1b_slack1", "-.^")):
             sel = [r for r in rows if r["impl"] == impl and r["schedule"] == schedule]
             if sel:
                 ax.plot([r["M"] for r in sel], [r["speedup"] for r in sel], style,

@@ -26,7 +26,8 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
     rows = {(r["impl"], r["schedule"], r["M"]): r for r in report["rows"]}
     for m in (1, 2):
         for key in (("plain", "whole"), ("plain", "chunked"), ("gpipe_core", "gpipe"),
-                    ("gpipe_core", "1f1b"), ("torch.pipelining", "gpipe")):
+                    ("gpipe_core", "1f1b"), ("gpipe_core", "1f1b_slack1"),
+                    ("torch.pipelining", "gpipe")):
             row = rows[(*key, m)]
             assert row["seconds"] > 0 and len(row["samples"]) == 2
             assert row["efficiency"] > 0 and row["speedup"] > 0

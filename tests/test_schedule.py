@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe_core.schedule import Action, Schedule, ScheduleError, draw, gpipe, one_f_one_b, validate
+from gpipe_core.schedule import (
+    Action,
+    Schedule,
+    ScheduleError,
+    draw,
+    get_schedule,
+    gpipe,
+    one_f_one_b,
+    validate,
+)
 
 
 def test_action_prints_and_parses() -> None:
@@ -51,10 +60,28 @@ def test_one_f_one_b_k3_m4() -> None:
     assert not schedule.forward_then_backward and gpipe(3, 4).forward_then_backward
 
 
+def test_one_f_one_b_with_slack_runs_one_more_forward_ahead() -> None:
+    schedule = one_f_one_b(3, 5, slack=1)
+    assert str(schedule) == (
+        "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0B2 0B3 0B4\n"
+        "1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1B3 1B4\n"
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 2F4 2B4"
+    )
+    assert schedule.name == "1f1b_slack1"
+    assert get_schedule("1f1b_slack1", 3, 5) == schedule
+    assert get_schedule("1f1b", 3, 5) == one_f_one_b(3, 5, slack=0)
+    # More slack than micro-batches degenerates to fill-drain's forwards first, still valid.
+    validate(one_f_one_b(2, 2, slack=4))
+    with pytest.raises(ValueError, match="slack=-1 must be >= 0"):
+        one_f_one_b(2, 4, slack=-1)
+    with pytest.raises(ValueError, match="1f1b_slackN"):
+        get_schedule("1f1b_slack", 2, 4)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
 def test_builtin_schedules_validate(k: int, m: int) -> None:
-    for schedule in (gpipe(k, m), one_f_one_b(k, m)):
+    for schedule in (gpipe(k, m), one_f_one_b(k, m), one_f_one_b(k, m, slack=1)):
         validate(schedule)
         actions = [a for tick in schedule.clock() for a in tick]
         assert len(actions) == 2 * k * m

@@ -24,6 +24,23 @@ def test_one_f_one_b_keeps_fewer_microbatches_in_flight() -> None:
     assert sim.peak_inflight == [k - s for s in range(k)]
 
 
+@pytest.mark.parametrize(("k", "m"), [(2, 8), (2, 16), (4, 16)])
+def test_one_f_one_b_pays_latency_per_microbatch_unless_given_slack(k: int, m: int) -> None:
+    # In 1F1B's steady state a stage's next backward waits on the message the next stage sends
+    # at the end of its own backward, so every transfer's latency lands on the critical path.
+    forward, backward, transfer = [1.0] * k, [2.0] * k, 0.1
+    fill_drain = simulate(gp.gpipe(k, m), forward, backward, transfer=transfer)
+    classic = simulate(gp.one_f_one_b(k, m), forward, backward, transfer=transfer)
+    slack = simulate(gp.one_f_one_b(k, m, slack=1), forward, backward, transfer=transfer)
+    # Fill-drain pays the latency only while filling and draining: 2(K-1) transfers.
+    assert fill_drain.step_time == pytest.approx((m + k - 1) * 3.0 + 2 * (k - 1) * transfer)
+    assert classic.step_time >= fill_drain.step_time + (m - k) * transfer - 1e-9
+    # One forward of slack hides it again, for one more micro-batch in flight per stage.
+    assert slack.step_time == pytest.approx(fill_drain.step_time)
+    assert slack.peak_inflight == [k - s + 1 for s in range(k - 1)] + [1]
+    assert classic.peak_inflight == [k - s for s in range(k)]
+
+
 def test_rematerialization_costs_a_forward_and_saves_memory() -> None:
     never = simulate(gp.gpipe(2, 4), [1.0, 1.0], [2.0, 2.0], activation_bytes=[100, 100],
                      input_bytes=[10, 10])

@@ -87,7 +87,7 @@ def reference(model: nn.Module, chunks: int, steps: int) -> tuple[list[float], d
 def run_pipeline(rank: int, world: int, balance: list[int], steps: int) -> list[Any]:
     results = []
     for schedule, checkpoint, chunks in itertools.product(
-        ["gpipe", "1f1b"], ["always", "except_last", "never"], [1, 3, 4]
+        ["gpipe", "1f1b", "1f1b_slack1"], ["always", "except_last", "never"], [1, 3, 4]
     ):
         torch.manual_seed(0)
         model = build()
