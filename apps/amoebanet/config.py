@@ -58,7 +58,7 @@ class AmoebaNetConfig:
     # --- pipeline ----------------------------------------------------------------------------
     num_stages: int = 2  # K: pipeline stages (torchrun ranks of the pipeline group)
     chunks: int = 4  # M: micro-batches per mini-batch
-    schedule: str = "gpipe"  # "gpipe" (fill-drain) or "1f1b"
+    schedule: str = "gpipe"  # "gpipe" (fill-drain), "1f1b" or "1f1b_slack1"
     checkpoint: str = "except_last"  # re-materialization: "always" | "except_last" | "never"
     balance: tuple[int, ...] | None = None  # layers per stage; None = by measured time (by parameters above 50M)
 
@@ -89,7 +89,7 @@ class AmoebaNetConfig:
 
 GENOTYPE_CHOICES = ("D", "B")
 DATASET_CHOICES = ("fashion_mnist", "imagenet", "shards")
-SCHEDULE_CHOICES = ("gpipe", "1f1b")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "1f1b_slack1")
 CHECKPOINT_CHOICES = ("always", "except_last", "never")
 
 

@@ -15,7 +15,7 @@ from apps.nmt.model import transformer
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "1f1b_slack1")
 CHECKPOINT_MODES = ("always", "except_last", "never")
 OPTIMIZERS = ("adam", "adafactor")
 LR_SCHEDULES = ("inverse_sqrt", "constant")
@@ -66,7 +66,7 @@ class NMTConfig:
     # --- pipeline ---
     num_stages: int = 2  # K: pipeline stages (ranks under torchrun)
     chunks: int = 4  # M: micro-batches per mini-batch
-    schedule: str = "gpipe"  # "gpipe" (fill-drain) or "1f1b"
+    schedule: str = "gpipe"  # "gpipe" (fill-drain), "1f1b" or "1f1b_slack1"
     # re-materialisation: "always", "except_last", "never" (the CPU default has memory to spare
     # and no compute to spare, so it keeps activations; GPU configs use "except_last")
     checkpoint: str = "never"
