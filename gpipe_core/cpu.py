@@ -11,6 +11,14 @@ Memory. glibc hands large blocks (activations of a few hundred KB and up) back t
 when they are freed, so every micro-batch touches fresh pages and pays a page fault for each
 4 KB. :func:`hold_freed_memory` raises glibc's mmap and trim thresholds so freed blocks are
 reused instead: the resident size stays at its peak, and the faults go away.
+
+gloo's I/O thread. gloo serves every connection from one I/O thread per process
+(``gloo_tcp_loop``) that takes the connection's lock for each event; a caller's send or posted
+receive holds the same lock. When a message arrives while the caller holds it, the woken I/O
+thread preempts the caller, fails to take the lock and polls again at once (epoll reports the
+unread data again): on a core shared with the caller it spins until the scheduler's next tick,
+2-4 ms, while the caller cannot finish its call. :class:`QuietIOThreads` marks the I/O threads
+``SCHED_BATCH`` (no wake-up preemption) for the length of such a call and restores them after.
 """
 
 from __future__ import annotations
@@ -18,10 +26,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_share", "bind_cpus", "hold_freed_memory"]
+__all__ = ["cpu_share", "bind_cpus", "hold_freed_memory", "QuietIOThreads"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
 
@@ -82,3 +91,59 @@ def hold_freed_memory(threshold_bytes: int = 1 << 30) -> bool:
     ok = libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(mmap_threshold))
     ok &= libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(threshold_bytes, 2**31 - 1)))
     return bool(ok)
+
+
+_TASKS = Path("/proc/self/task")
+
+
+class QuietIOThreads:
+    """Keep this process's I/O threads named ``name`` from preempting the caller in a call.
+
+    ``enter()`` before a call into the communication library, ``leave()`` after it (a context
+    manager would cost more than the two system calls on this hot path). Does nothing where
+    the OS lacks ``SCHED_BATCH`` or where the threads' policy cannot be changed.
+    """
+
+    def __init__(self, name: str = "gloo_tcp_loop") -> None:
+        self.name = name
+        self.enabled = hasattr(os, "SCHED_BATCH") and _TASKS.is_dir()
+        self._threads: list[int] = []
+        self._tasks_seen = -1
+
+    def refresh(self) -> list[int]:
+        """Find the threads again when the process's thread count changed (new groups)."""
+        if not self.enabled:
+            return []
+        try:
+            tasks = os.listdir(_TASKS)
+            if len(tasks) != self._tasks_seen:
+                self._tasks_seen = len(tasks)
+                self._threads = [int(t) for t in tasks if _thread_name(t) == self.name]
+        except OSError:
+            self._threads = []
+        return self._threads
+
+    def enter(self) -> None:
+        self._set(os.SCHED_BATCH if self.enabled else 0)
+
+    def leave(self) -> None:
+        self._set(os.SCHED_OTHER if self.enabled else 0)
+
+    def _set(self, policy: int) -> None:
+        if not self._threads:
+            return
+        param = os.sched_param(0)
+        for tid in self._threads:
+            try:
+                os.sched_setscheduler(tid, policy, param)
+            except OSError:  # the thread ended, or changing it is not allowed: stop trying
+                self._threads = []
+                self._tasks_seen = -1
+                return
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        return (_TASKS / tid / "comm").read_text().strip()
+    except OSError:
+        return ""

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .cpu import QuietIOThreads
 from .microbatch import flatten, map_tensors, unflatten
 from .schedule import Action
 
@@ -205,6 +206,10 @@ class DistributedTransport(Transport):
         self._send_channels: dict[int, _Channel] = {}
         self._recv_channels: dict[int, _Channel] = {}
         self.use_tags = dist.get_backend() == "gloo"
+        # gloo's I/O thread must not preempt our sends and posts (see gpipe_core.cpu).
+        self.quiet_io = QuietIOThreads() if self.use_tags else None
+        if self.quiet_io is not None:
+            self.quiet_io.refresh()
         self.step = 0
         self.num_microbatches = 0
         self._first_activation: tuple[Any] | None = None  # read by recv_step, not yet taken
@@ -249,6 +254,8 @@ class DistributedTransport(Transport):
         """
         self.step, self.num_microbatches = step, num_microbatches
         self.received_loss = math.nan
+        if self.quiet_io is not None:
+            self.quiet_io.refresh()
         backward = any(action.kind == "B" for action in actions)
         last = len(self.stage_ranks) - 1
         first_taken = self._first_activation is not None
@@ -287,10 +294,16 @@ class DistributedTransport(Transport):
 
     def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
         rank = self.stage_ranks[stage]
+        quiet = self.quiet_io
+        if quiet is not None:
+            quiet.enter()
         try:
             work = dist.isend(tensor, dst=rank, tag=tag if self.use_tags else 0)
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"send failed ({exc})") from exc
+        finally:
+            if quiet is not None:
+                quiet.leave()
         self._pending.append((work, tensor, stage))  # keep the buffer alive until it has left
 
     def _irecv_wait(self, buffers: list[Tensor], stage: int, tag: int) -> None:
@@ -307,10 +320,16 @@ class DistributedTransport(Transport):
     def _post_recv(self, stage: int, nbytes: int) -> tuple[Any, Tensor]:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         rank = self.stage_ranks[stage]
+        quiet = self.quiet_io
+        if quiet is not None:
+            quiet.enter()
         try:
             work = dist.irecv(buffer, src=rank, tag=_TAG_DATA if self.use_tags else 0)
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"receive failed ({exc})") from exc
+        finally:
+            if quiet is not None:
+                quiet.leave()
         return work, buffer
 
     def _wait(self, posted: tuple[Any, Tensor], stage: int) -> Tensor:

@@ -97,3 +97,29 @@ def test_hold_freed_memory_rejects_a_bad_threshold() -> None:
 
     with pytest.raises(ValueError, match="threshold_bytes=0 must be positive"):
         gp.hold_freed_memory(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux only")
+def test_quiet_io_threads_finds_gloo_loop_and_toggles_its_policy() -> None:
+    # gloo's I/O thread is named gloo_tcp_loop; if a torch upgrade renames it, this fails.
+    code = (
+        "import os, datetime, tempfile, torch.distributed as dist\n"
+        "from gpipe_core.cpu import QuietIOThreads\n"
+        "root = tempfile.mkdtemp()\n"
+        "dist.init_process_group('gloo', init_method=f'file://{root}/rv', rank=0, world_size=1,\n"
+        "                        timeout=datetime.timedelta(seconds=30))\n"
+        "quiet = QuietIOThreads()\n"
+        "threads = quiet.refresh()\n"
+        "assert threads, 'no gloo_tcp_loop thread found'\n"
+        "assert os.getpid() not in threads\n"
+        "policy = lambda: {os.sched_getscheduler(t) for t in threads}\n"
+        "assert policy() == {os.SCHED_OTHER}\n"
+        "quiet.enter()\n"
+        "assert policy() == {os.SCHED_BATCH}\n"
+        "quiet.leave()\n"
+        "assert policy() == {os.SCHED_OTHER}\n"
+        "assert QuietIOThreads('no_such_thread').refresh() == []\n"
+        "dist.destroy_process_group()\n"
+        "print('ok')\n"
+    )
+    assert run_in_child(code) == "ok"
