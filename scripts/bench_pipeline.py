@@ -2,7 +2,8 @@
 
 One run, one model, one batch, one thread per process: two gloo processes (K=2), each pinned to
 its own core (``gp.bind_cpus``; ``--no-pin`` leaves placement to the OS) and keeping freed
-memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's defaults). For each M in 1, 2,
+memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's defaults);
+``--no-quiet-io`` lets gloo's I/O thread preempt our transport's calls. For each M in 1, 2,
 4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
 micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, and 1F1B with one forward
@@ -145,7 +146,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
                                ("gpipe_core", "1f1b_slack1"),
                                ("torch.pipelining", "gpipe"), ("torch.pipelining", "1f1b")):
             model = build(args.blocks, args.width)
-            step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint)
+            step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint,
+                             args.quiet_io)
             if step is not None:
                 configs[(impl, schedule)] = step
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
@@ -171,10 +173,12 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
 
 
 def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int], m: int,
-              rank: int, x: Tensor, y: Tensor, checkpoint: str) -> Any:
+              rank: int, x: Tensor, y: Tensor, checkpoint: str, quiet_io: bool = True) -> Any:
     if impl == "gpipe_core":
         pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
                                    checkpoint=checkpoint, loss_fn=loss_fn)
+        if not quiet_io:
+            pipe.transport.quiet_io = None
 
         def ours() -> None:
             pipe.zero_grad(set_to_none=True)
@@ -218,6 +222,9 @@ def main() -> None:
                         help="do not pin each rank to its own core (gp.bind_cpus)")
     parser.add_argument("--no-hold-memory", dest="hold_memory", action="store_false",
                         help="leave glibc's malloc thresholds alone (gp.hold_freed_memory)")
+    parser.add_argument("--no-quiet-io", dest="quiet_io", action="store_false",
+                        help="let gloo's I/O thread preempt our sends and posts "
+                             "(gpipe_core.cpu.QuietIOThreads off)")
     parser.add_argument("--out", default="out/bench_pipeline")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
@@ -239,7 +246,7 @@ def main() -> None:
     whole = statistics.median(s for (_, schedule), s in plain.items() if schedule == "whole")
     print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
           f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}; freed memory held: "
-          f"{args.hold_memory}")
+          f"{args.hold_memory}; gloo I/O thread quiet in our calls: {args.quiet_io}")
     print(f"{'impl':<18}{'schedule':<9}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}"
           f"{'peak RSS MB/rank':>18}{'step adds MB':>14}")
     for r in rows:
