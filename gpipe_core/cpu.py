@@ -107,6 +107,8 @@ class QuietIOThreads:
     def __init__(self, name: str = "gloo_tcp_loop") -> None:
         self.name = name
         self.enabled = hasattr(os, "SCHED_BATCH") and _TASKS.is_dir()
+        # (policy in a call, policy otherwise); never used when not enabled
+        self._policies = (os.SCHED_BATCH, os.SCHED_OTHER) if self.enabled else (0, 0)
         self._threads: list[int] = []
         self._tasks_seen = -1
 
@@ -124,10 +126,10 @@ class QuietIOThreads:
         return self._threads
 
     def enter(self) -> None:
-        self._set(os.SCHED_BATCH if self.enabled else 0)
+        self._set(self._policies[0])
 
     def leave(self) -> None:
-        self._set(os.SCHED_OTHER if self.enabled else 0)
+        self._set(self._policies[1])
 
     def _set(self, policy: int) -> None:
         if not self._threads:

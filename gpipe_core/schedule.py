@@ -215,7 +215,8 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 def one_f_one_b(num_stages: int, num_microbatches: int, *, slack: int = 0) -> Schedule:
     """1F1B (PipeDream-flush): warm up with K-1-s forwards, then alternate F and B, then drain.
 
-    Same bubble as fill-drain but stage s holds at most K-s micro-batches' activations at once.
+    Same bubble as fill-drain but stage s holds at most K-s micro-batches' activations at once
+    (K-s+slack on every stage but the last with ``slack``).
 
     In the steady state each stage's next backward waits on the message the next stage sends
     when it finishes its own backward, so every message's latency is paid once per micro-batch
