@@ -324,10 +324,7 @@ class DistributedGPipe(nn.Module):
             num_microbatches = len(state.inputs)
         else:
             num_microbatches = self.transport.recv_step(step)
-        actions = self.schedule(num_microbatches).actions[self.stage_index]
-        if not train:
-            actions = tuple(a for a in actions if a.kind == "F")
-        self.transport.begin_step(step, num_microbatches, actions)
+        self.transport.begin_step(step, num_microbatches, backward=train)
         if self.is_last:
             if targets is None:
                 raise ValueError("the last stage needs targets: pipe.step(inputs, targets)")
@@ -346,6 +343,9 @@ class DistributedGPipe(nn.Module):
         else:
             self.stage.loss_scale = None
         self.stage.begin_step(step, num_microbatches)
+        actions = self.schedule(num_microbatches).actions[self.stage_index]
+        if not train:
+            actions = tuple(a for a in actions if a.kind == "F")
         with fork_rng([self.device]):  # layers draw from their own seeded streams
             self.runtime.run(actions, state)
         self.transport.finish()

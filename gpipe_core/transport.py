@@ -53,7 +53,6 @@ from torch import Tensor
 
 from .cpu import QuietIOThreads
 from .microbatch import flatten, map_tensors, unflatten
-from .schedule import Action
 
 __all__ = [
     "Transport", "LocalTransport", "Mailbox", "DistributedTransport", "PeerError", "StepMismatch",
@@ -246,8 +245,8 @@ class DistributedTransport(Transport):
         self._first_activation = (payload,)
         return num_microbatches
 
-    def begin_step(self, step: int, num_microbatches: int, actions: Sequence[Action]) -> None:
-        """Start ``step`` of ``num_microbatches``, in which this stage runs ``actions``.
+    def begin_step(self, step: int, num_microbatches: int, *, backward: bool) -> None:
+        """Start ``step`` of ``num_microbatches`` (with gradients flowing back if ``backward``).
 
         Every message of the step carries both numbers. Counts the messages to expect from
         each neighbour and, with gloo, posts the first receive of each channel.
@@ -256,7 +255,6 @@ class DistributedTransport(Transport):
         self.received_loss = math.nan
         if self.quiet_io is not None:
             self.quiet_io.refresh()
-        backward = any(action.kind == "B" for action in actions)
         last = len(self.stage_ranks) - 1
         first_taken = self._first_activation is not None
         expected = {self.stage_index - 1: num_microbatches - int(first_taken)}
@@ -292,25 +290,30 @@ class DistributedTransport(Transport):
 
     # -- wire format -----------------------------------------------------------------------
 
+    def _p2p(self, op: Callable[..., Any], tensor: Tensor, rank: int, tag: int) -> Any:
+        """``dist.isend`` or ``dist.irecv``, with gloo's I/O thread kept from preempting it."""
+        tag = tag if self.use_tags else 0  # NCCL ignores tags
+        quiet = self.quiet_io
+        if quiet is None:
+            return op(tensor, rank, tag=tag)
+        quiet.enter()
+        try:
+            return op(tensor, rank, tag=tag)
+        finally:
+            quiet.leave()
+
     def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
         rank = self.stage_ranks[stage]
-        quiet = self.quiet_io
-        if quiet is not None:
-            quiet.enter()
         try:
-            work = dist.isend(tensor, dst=rank, tag=tag if self.use_tags else 0)
+            work = self._p2p(dist.isend, tensor, rank, tag)
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"send failed ({exc})") from exc
-        finally:
-            if quiet is not None:
-                quiet.leave()
         self._pending.append((work, tensor, stage))  # keep the buffer alive until it has left
 
     def _irecv_wait(self, buffers: list[Tensor], stage: int, tag: int) -> None:
         rank = self.stage_ranks[stage]
-        tag = tag if self.use_tags else 0
         try:
-            works = [dist.irecv(b, src=rank, tag=tag) for b in buffers]
+            works = [self._p2p(dist.irecv, b, rank, tag) for b in buffers]
             for work in works:
                 assert work is not None
                 work.wait(self.timeout)
@@ -320,16 +323,10 @@ class DistributedTransport(Transport):
     def _post_recv(self, stage: int, nbytes: int) -> tuple[Any, Tensor]:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         rank = self.stage_ranks[stage]
-        quiet = self.quiet_io
-        if quiet is not None:
-            quiet.enter()
         try:
-            work = dist.irecv(buffer, src=rank, tag=_TAG_DATA if self.use_tags else 0)
+            work = self._p2p(dist.irecv, buffer, rank, _TAG_DATA)
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"receive failed ({exc})") from exc
-        finally:
-            if quiet is not None:
-                quiet.leave()
         return work, buffer
 
     def _wait(self, posted: tuple[Any, Tensor], stage: int) -> Tensor:

@@ -7,10 +7,11 @@ memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's def
 4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
 micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, and 1F1B with one forward
-of slack) and ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each row: median
-seconds per training step, speedup over the plain run, efficiency against the ideal pipeline
-(the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and each rank's
-peak resident memory during a step, with the part of it the step itself added. Writes JSON and a PNG of speedup against M.
+of slack) and ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each
+row: median seconds per training step, speedup over the plain run, efficiency against the
+ideal pipeline (the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and
+each rank's peak resident memory during a step, with the part of it the step itself added.
+Writes JSON and a PNG of speedup against M.
 
     python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 15]
 """
@@ -36,6 +37,8 @@ from torch import Tensor, nn
 import gpipe_core as gp
 
 K = 2
+# Our schedules and the torch.distributed.pipelining schedule each is compared with.
+TORCH_COUNTERPART = {"gpipe": "gpipe", "1f1b": "1f1b", "1f1b_slack1": "1f1b"}
 
 
 class Block(nn.Module):
@@ -258,8 +261,8 @@ def main() -> None:
         ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
         theirs = {r["schedule"]: r["seconds"] for r in rows
                   if r["M"] == m and r["impl"] == "torch.pipelining"}
-        ratios = ", ".join(f"{s}: {theirs[s.split('_')[0]] / ours[s]:.2f}x" for s in ours
-                           if s.split("_")[0] in theirs)
+        ratios = ", ".join(f"{s}: {theirs[TORCH_COUNTERPART[s]] / ours[s]:.2f}x" for s in ours
+                           if TORCH_COUNTERPART[s] in theirs)
         print(f"M={m}: torch.pipelining time / gpipe_core time: {ratios}")
     plot(rows, out / "bench_pipeline.png")
     print(f"wrote {out}/bench_pipeline.json and bench_pipeline.png")
