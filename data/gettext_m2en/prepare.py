@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -39,7 +40,7 @@ PACKAGE_LISTS: dict[str, tuple[str, ...]] = {"quick": QUICK_PACKAGES, "full": FU
 DEFAULT_OUT = Path(".cache/gettext_m2en")
 SYSTEM_LOCALE_ROOT = Path("/usr/share/locale")
 SPLITS: tuple[str, ...] = ("train", "dev", "test")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: leak-free split (assign_splits)
 
 # Fixed special ids, so every consumer (model, beam search, checkpoints) can rely on them.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -355,20 +356,87 @@ def read_aligned_dir(directory: Path) -> Iterator[Triple]:
 # Splits
 
 
-def split_of(english: str, *, dev_fraction: float, test_fraction: float) -> str:
-    """`train`, `dev` or `test` from a stable hash of the English side.
+def split_key(text: str) -> str:
+    """The form under which two strings count as the same sentence for splitting.
 
-    Every pair with the same English (up to case and spacing) lands in the same split, for all
-    languages, so no dev/test English sentence is ever seen in training.
+    Case, whitespace, punctuation and symbols are folded, and with them ellipses and hyphens:
+    "Connecting..." and "Connecting", "Bottom-Left" and "Bottom left" share one key, so one
+    can never be a dev or test sentence while the other trains.
     """
-    key = _WHITESPACE.sub(" ", english.casefold()).strip().encode("utf-8")
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    unit = int.from_bytes(digest, "big") / 2.0**64
+    folded = "".join(
+        " " if unicodedata.category(char)[0] in "PSZ" else char for char in text.casefold()
+    )
+    return _WHITESPACE.sub(" ", folded).strip()
+
+
+def _hash_unit(key: str) -> float:
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def split_of(english: str, *, dev_fraction: float, test_fraction: float) -> str:
+    """`train`, `dev` or `test` from a stable hash of the English side's `split_key`."""
+    unit = _hash_unit(split_key(english))
     if unit < dev_fraction:
         return "dev"
     if unit < dev_fraction + test_fraction:
         return "test"
     return "train"
+
+
+# A group of linked sentences larger than this always trains: held out whole it would be a
+# sizeable, topically narrow slice of dev or test (the largest seen in the quick list is a few
+# hundred English strings joined through one-word source strings such as "Ok").
+MAX_HELD_OUT_GROUP = 64
+
+
+def assign_splits(
+    triples: Iterable[Triple], *, dev_fraction: float, test_fraction: float
+) -> dict[Triple, str]:
+    """The split of every (language, source, English) triple, with nothing leaking across.
+
+    Two triples must share a split when their English sides have the same `split_key`, or when
+    they are in the same language and their source sides have the same `split_key` (the same
+    source string translated to two Englishes, e.g. "Ouvrir" for "Open" and "Open file").
+    These links join triples into groups (connected components, found with union-find); a group
+    takes the split of its smallest English key by `split_of`, so a group of one English
+    sentence lands where `split_of` puts it for every language and language subset. Groups of
+    more than `MAX_HELD_OUT_GROUP` English keys train.
+    """
+    triples = list(triples)
+    parent: dict[str, str] = {}
+
+    def find(node: str) -> str:
+        root = node
+        while parent.setdefault(root, root) != root:
+            root = parent[root]
+        while parent[node] != root:  # path compression
+            parent[node], node = root, parent[node]
+        return root
+
+    def union(a: str, b: str) -> None:
+        root_a, root_b = find(a), find(b)
+        if root_a != root_b:
+            parent[max(root_a, root_b)] = min(root_a, root_b)
+
+    # English nodes sort before source nodes ("E" < "S"), so a group's root is an English node:
+    # the smallest English key of the group.
+    for lang, source, english in triples:
+        union("E" + split_key(english), "S" + lang + "\t" + split_key(source))
+    group_size: Counter[str] = Counter()
+    for node in parent:
+        if node.startswith("E"):
+            group_size[find(node)] += 1
+    result: dict[Triple, str] = {}
+    for triple in triples:
+        root = find("E" + split_key(triple[2]))
+        if group_size[root] > MAX_HELD_OUT_GROUP:
+            result[triple] = "train"
+        else:
+            result[triple] = split_of(
+                root[1:], dev_fraction=dev_fraction, test_fraction=test_fraction
+            )
+    return result
 
 
 def _order_key(triple: Triple) -> tuple[str, bytes, str]:
@@ -684,6 +752,9 @@ def prepare(
             add(user_lang, source, english)
     if not triples:
         raise PrepareError(f"no usable pair found in {sources_used} (dropped: {dict(dropped)})")
+    # The split links every language's pairs (see assign_splits), so it is computed over all of
+    # them: the same English sentence is held out whichever languages are kept.
+    all_triples = set(triples)
     if languages is not None:
         present = {t[0] for t in triples}
         missing = sorted(set(languages) - present)
@@ -693,14 +764,16 @@ def prepare(
                 f"available: {' '.join(sorted(present))}"
             )
         keep = set(languages)
-        triples = {t for t in triples if t[0] in keep}
+        triples = {t for t in triples if t[0] in keep}  # split below over all_triples
     log(f"{raw_pairs} raw pairs -> {len(triples)} unique clean pairs; dropped {dict(dropped)}")
 
-    # 3. Split by the English side and write the raw text (needed for BLEU references).
+    # 3. Split without leaks (assign_splits) and write the raw text (needed for BLEU references).
     splits: dict[str, list[Triple]] = {split: [] for split in SPLITS}
-    for triple in triples:
-        split = split_of(triple[2], dev_fraction=dev_fraction, test_fraction=test_fraction)
-        splits[split].append(triple)
+    for triple, split in assign_splits(
+        all_triples, dev_fraction=dev_fraction, test_fraction=test_fraction
+    ).items():
+        if triple in triples:
+            splits[split].append(triple)
     (out / "pairs").mkdir(exist_ok=True)
     for split in SPLITS:
         splits[split].sort(key=_order_key)

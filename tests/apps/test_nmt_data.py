@@ -24,10 +24,13 @@ from apps.nmt.data import (
     resource_buckets,
 )
 from data.gettext_m2en.prepare import (
+    MAX_HELD_OUT_GROUP,
     PrepareError,
+    assign_splits,
     character_coverage,
     normalize_lang,
     prepare,
+    split_key,
     strip_accelerators,
     temperature_probs,
 )
@@ -222,6 +225,50 @@ def test_no_dev_or_test_english_in_train(corpus: Path) -> None:
     }
 
 
+def test_split_key_folds_case_punctuation_ellipses_and_hyphens() -> None:
+    assert split_key("Connecting...") == split_key("connecting") == "connecting"
+    assert split_key("Bottom-Left") == split_key("Bottom left") == "bottom left"
+    assert split_key("Loading…") == split_key("Loading")
+    assert split_key("  Save   as: ") == "save as"
+    assert split_key("Öffnen") != split_key("Offnen")  # letters are not folded
+
+
+def assert_no_key_crosses_splits(splits: dict[tuple[str, str, str], str]) -> None:
+    english_side: dict[str, str] = {}
+    source_side: dict[tuple[str, str], str] = {}
+    for (lang, source, english), split in splits.items():
+        assert english_side.setdefault(split_key(english), split) == split, english
+        assert source_side.setdefault((lang, split_key(source)), split) == split, source
+
+
+def test_assign_splits_keeps_near_duplicates_and_shared_sources_together() -> None:
+    # Large held-out fractions: without the grouping, many of these would cross splits.
+    triples = []
+    for i in range(200):
+        english = f"Item number {i}"
+        triples += [
+            ("fr", f"Élément {i}", english),
+            ("de", f"Eintrag {i}", english.upper() + "..."),
+            ("de", f"Eintrag {i}", f"Item-number {i} please"),  # same source, other English
+            ("fr", f"Élément {i} !", f"item number {i}…"),
+        ]
+    splits = assign_splits(triples, dev_fraction=0.3, test_fraction=0.3)
+    assert set(splits) == set(triples)
+    assert_no_key_crosses_splits(splits)
+    assert {"train", "dev", "test"} <= set(splits.values())
+
+
+def test_assign_splits_trains_groups_too_large_to_hold_out() -> None:
+    # One source string ("OK") linking many English strings makes one large group.
+    triples = [("de", "OK", f"Confirm choice {i}") for i in range(MAX_HELD_OUT_GROUP + 1)]
+    assert set(assign_splits(triples, dev_fraction=0.5, test_fraction=0.5).values()) == {"train"}
+
+
+def test_no_normalised_english_or_source_crosses_splits(corpus: Path) -> None:
+    splits = {pair: split for split in ("train", "dev", "test") for pair in read_pairs(corpus, split)}
+    assert_no_key_crosses_splits(splits)
+
+
 def test_counts_json(corpus: Path) -> None:
     counts = json.loads((corpus / "counts.json").read_text())
     for split in ("train", "dev", "test"):
@@ -360,6 +407,15 @@ def test_eval_batches(corpus: Path) -> None:
     limited = list(eval_batches(corpus, "test", languages=["ru", "de"], max_per_lang=3))
     langs = [lang for batch in limited for lang in batch.langs]
     assert langs == ["ru"] * min(3, language_counts(corpus, "test")["ru"]) + ["de"] * 3
+
+
+def test_resource_buckets_by_absolute_size() -> None:
+    counts = {"fr": 12_400, "af": 4_254, "sw": 508, "edge_high": 10_000, "edge_low": 999}
+    assert resource_buckets(counts, (10_000, 1_000)) == {
+        "fr": "high", "af": "medium", "sw": "low", "edge_high": "high", "edge_low": "low",
+    }
+    with pytest.raises(ValueError, match="high > low"):
+        resource_buckets(counts, (1_000, 10_000))
 
 
 def test_resource_buckets() -> None:
