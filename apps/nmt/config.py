@@ -60,6 +60,9 @@ class NMTConfig:
     # high-resource Latin-script languages so that each gets enough steps (cpu_default.yaml)
     languages: list[str] = field(default_factory=lambda: ["de", "es", "fr", "it", "nl", "pt"])
     sampling_temperature: float = 5.0  # draw language l with p ~ n_l^(1/T); 1 = proportional
+    # resource buckets of the BLEU report: high from the first count of training pairs up, low
+    # below the second, medium between; null = terciles of the trained languages (tiny corpora)
+    bucket_thresholds: list[int] | None = field(default_factory=lambda: [10_000, 1_000])
     max_tokens: int = 1024  # padded tokens (source + target) per mini-batch
     max_len: int = 48  # drop training pairs with a side longer than this (tokens)
 
@@ -81,7 +84,11 @@ class NMTConfig:
     adam_beta2: float = 0.98  # Adam second-moment decay (0.98 as for Transformers)
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
     weight_decay: float = 0.0  # decoupled weight decay
+    # training budget: the run ends at max_steps or, if set, max_train_tokens (source + target
+    # tokens, no padding), whichever comes first, so its result does not depend on the machine
     max_steps: int = 100_000  # stop after this many optimizer steps
+    max_train_tokens: int = 0  # stop once this many tokens were trained on; 0 = no token budget
+    # a safety, not a budget: a run cut by the clock says so (summary.json "stopped_by")
     max_minutes: float = 24.0  # stop after this much wall-clock training time; 0 = no limit
     seed: int = 0  # seeds data order, init and dropout
 
@@ -121,7 +128,9 @@ class NMTConfig:
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
-        non_negative = "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every"
+        non_negative = (
+            "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every max_train_tokens"
+        )
         for name in non_negative.split():
             value = getattr(self, name)
             if value < 0:
@@ -130,6 +139,13 @@ class NMTConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name}={value} must be in [0, 1)")
+        if self.bucket_thresholds is not None and not (
+            len(self.bucket_thresholds) == 2 and self.bucket_thresholds[0] > self.bucket_thresholds[1] > 0
+        ):
+            raise ConfigError(
+                f"bucket_thresholds={self.bucket_thresholds} must be [high, low] training-pair "
+                "counts with high > low > 0 (e.g. [10000, 1000]), or null for terciles"
+            )
         if self.logits_abs_max <= 0:
             raise ConfigError(
                 f"logits_abs_max={self.logits_abs_max} must be > 0; "

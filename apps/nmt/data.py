@@ -135,13 +135,26 @@ def language_counts(cache_dir: str | Path = DEFAULT_OUT, split: str = "train") -
     return {lang: int(n) for lang, n in counts[split].items()}
 
 
-def resource_buckets(counts: Mapping[str, int]) -> dict[str, str]:
-    """`high`, `medium` or `low` per language: terciles of training-set size.
+def resource_buckets(
+    counts: Mapping[str, int], thresholds: Sequence[int] | None = None
+) -> dict[str, str]:
+    """`high`, `medium` or `low` per language, by training-set size.
 
-    Languages are sorted by count, largest first (ties by name), and the i-th of n goes to
-    bucket `i * 3 // n`: thirds as even as possible, the larger ones at the top
-    (4 languages: 2 high, 1 medium, 1 low; 1 language: high).
+    With ``thresholds = (high, low)``: `high` from ``high`` pairs up, `low` below ``low``,
+    `medium` between (the NMT default is (10000, 1000): buckets that differ by 10x or more, a
+    real resource contrast). With None: terciles of the languages present, for corpora too
+    small or too even for absolute sizes to mean anything; languages are sorted by count,
+    largest first (ties by name), and the i-th of n goes to bucket `i * 3 // n` (4 languages:
+    2 high, 1 medium, 1 low; 1 language: high).
     """
+    if thresholds is not None:
+        high, low = thresholds
+        if not high > low > 0:
+            raise ValueError(f"thresholds={list(thresholds)} must be (high, low) with high > low > 0")
+        return {
+            lang: "high" if n >= high else "low" if n < low else "medium"
+            for lang, n in counts.items()
+        }
     ordered = sorted(counts, key=lambda lang: (-counts[lang], lang))
     return {lang: RESOURCE_BUCKETS[i * 3 // len(ordered)] for i, lang in enumerate(ordered)}
 

@@ -289,12 +289,14 @@ def evaluate(
 
     ``languages`` None evaluates the trained languages that have ``split`` data (others are
     listed under ``skipped``); given explicitly, a language without data is an error.
-    Buckets are terciles of the training-set sizes of the trained languages.
+    Buckets by training-set size: ``config.bucket_thresholds``, or terciles when it is None.
     """
     started = time.monotonic()
     trained = train_languages(config)
     train_counts = language_counts(config.data_dir, "train")
-    buckets = resource_buckets({lang: train_counts.get(lang, 0) for lang in trained})
+    buckets = resource_buckets(
+        {lang: train_counts.get(lang, 0) for lang in trained}, config.bucket_thresholds
+    )
     sentences, skipped = load_eval_sentences(
         config.data_dir,
         split,

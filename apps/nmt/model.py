@@ -47,9 +47,10 @@ Choices, stated once:
   ``logits_abs_max``), so the evaluated function is the trained one.
 - Monitoring: in training, every layer records the largest absolute value of the state it
   produced (``max_abs_activation``, a detached 0-dim tensor, so no host sync); for ``project``
-  that is the largest absolute logit before clipping (also as ``max_abs_logit``). The record is a running
-  maximum over forwards (all micro-batches of a step) until ``activation_stats`` reads and resets
-  it.
+  that is the largest absolute logit before clipping (also as ``max_abs_logit``), and with
+  clipping on, the fraction of logits (at non-padding positions) beyond the bound
+  (``clipped_fraction``). The record is a running maximum (and sum) over forwards (all
+  micro-batches of a step) until ``activation_stats`` reads and resets it.
 """
 
 from __future__ import annotations
@@ -453,6 +454,9 @@ class Project(_RecordsActivation):
     """
 
     max_abs_logit: Tensor | None
+    # logits beyond the clip bound and all logits, at non-padding positions, since last read
+    clipped_logits: Tensor | None
+    counted_logits: Tensor | None
 
     def __init__(
         self,
@@ -465,6 +469,7 @@ class Project(_RecordsActivation):
         super().__init__()
         self.logits_abs_max = logits_abs_max
         self.max_abs_logit = None
+        self.clipped_logits = self.counted_logits = None
         self.norm = nn.LayerNorm(d_model)
         if tied_weight is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
@@ -483,20 +488,35 @@ class Project(_RecordsActivation):
             nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
         nn.init.zeros_(self.bias)
 
-    def logits(self, dec_state: Tensor) -> Tensor:
-        """``dec_state`` [..., D] -> (clipped) logits [..., V]."""
+    def logits(self, dec_state: Tensor, tgt_pad: Tensor | None = None) -> Tensor:
+        """``dec_state`` [..., D] -> (clipped) logits [..., V]. In training, ``tgt_pad`` [...]
+        (True at padding) restricts the count of clipped logits to real target positions."""
         logits = F.linear(self.norm(dec_state), self.weight, self.bias)
         # the output layer's "activation" is its logits, recorded before clipping
         self._record(logits)
         if self.training:
             self.max_abs_logit = self.max_abs_activation
+            if self.logits_abs_max is not None:
+                self._count_clipped(logits, tgt_pad)
         if self.logits_abs_max is not None:
             logits = logits.clamp(-self.logits_abs_max, self.logits_abs_max)
         return logits
 
+    def _count_clipped(self, logits: Tensor, tgt_pad: Tensor | None) -> None:
+        assert self.logits_abs_max is not None
+        with torch.no_grad():
+            beyond = logits.detach().abs() > self.logits_abs_max
+            if tgt_pad is not None:
+                beyond = beyond[~tgt_pad]
+            clipped = beyond.sum()
+            counted = torch.tensor(beyond.numel(), device=logits.device)
+            if self.clipped_logits is not None and self.clipped_logits.device == clipped.device:
+                clipped, counted = clipped + self.clipped_logits, counted + self.counted_logits
+            self.clipped_logits, self.counted_logits = clipped, counted
+
     def forward(self, state: State) -> Tensor:
-        _, dec_state, _, _ = state
-        return self.logits(dec_state)
+        _, dec_state, _, tgt_pad = state
+        return self.logits(dec_state, tgt_pad)
 
 
 def transformer(
@@ -687,10 +707,14 @@ def activation_stats(module: nn.Module, *, reset: bool = True) -> dict[str, floa
             # the output layer's activation is its pre-clip logits: name it as such
             kind = "max_abs_logit" if isinstance(layer, Project) else "max_abs_activation"
             stats[f"{name}/{kind}"] = float(layer.max_abs_activation)
+        if isinstance(layer, Project) and layer.counted_logits is not None:
+            assert layer.clipped_logits is not None
+            fraction = float(layer.clipped_logits) / max(int(layer.counted_logits), 1)
+            stats[f"{name}/clipped_fraction"] = fraction
         if reset:
             layer.max_abs_activation = None
             if isinstance(layer, Project):
-                layer.max_abs_logit = None
+                layer.max_abs_logit = layer.clipped_logits = layer.counted_logits = None
     return stats
 
 

@@ -143,24 +143,34 @@ def model_config_differs(saved: NMTConfig, config: NMTConfig) -> dict[str, tuple
     return {k: (old[k], new[k]) for k in keys if old[k] != new[k]}
 
 
-def stage_stats(pipe: gp.DistributedGPipe) -> dict[str, float]:
-    """This stage's largest |activation| (and |logit| on the last stage) since the last read;
-    every rank gathers all stages' values (collective over the world)."""
+def step_stats(pipe: gp.DistributedGPipe, num_stages: int, device: torch.device) -> dict[str, float]:
+    """The step's largest |activation| per stage, largest |logit| (before clipping) and the
+    fraction of logits beyond the clip bound, on every rank (one all-reduce over the world: the
+    largest value over data-parallel replicas). Stages that recorded nothing read 0."""
     local = activation_stats(pipe)
-    mine: dict[str, float] = {}
+    values = torch.zeros(num_stages + 2, dtype=torch.float64)
     acts = [v for k, v in local.items() if k.endswith("max_abs_activation")]
-    if acts:
-        mine[f"stage{pipe.stage_index}/max_abs_activation"] = max(acts)
-    logits = [v for k, v in local.items() if k.endswith("max_abs_logit")]
-    if logits:
-        mine["max_abs_logit"] = max(logits)
-    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    merged: dict[str, float] = {}
-    for part in gathered:
-        for key, value in (part or {}).items():
-            merged[key] = max(value, merged.get(key, -math.inf))
-    return merged
+    values[pipe.stage_index] = max(acts, default=0.0)
+    values[num_stages] = max((v for k, v in local.items() if k.endswith("max_abs_logit")), default=0.0)
+    values[num_stages + 1] = max(
+        (v for k, v in local.items() if k.endswith("clipped_fraction")), default=0.0
+    )
+    values = values.to(device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    stats = {f"stage{i}_max_abs_activation": float(values[i]) for i in range(num_stages)}
+    stats["max_abs_logit"] = float(values[num_stages])
+    stats["clipped_fraction"] = float(values[num_stages + 1])
+    return stats
+
+
+def budget_reached(config: NMTConfig, step: int, tokens_seen: int) -> str | None:
+    """Which training budget ends the run now: ``max_steps`` or ``max_train_tokens`` (the
+    wall-clock cap ``max_minutes`` is checked by the loop, as a safety)."""
+    if step >= config.max_steps:
+        return "max_steps"
+    if config.max_train_tokens and tokens_seen >= config.max_train_tokens:
+        return "max_train_tokens"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,17 +312,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- training loop --------------------------------------------------------------------
     from tqdm import tqdm
 
-    bar = tqdm(total=config.max_steps, initial=step, disable=not master, dynamic_ncols=True,
-               file=sys.stderr, mininterval=2.0)
+    # the bar counts towards the budget that ends the run: tokens when a token budget is set
+    by_tokens = bool(config.max_train_tokens)
+    bar = tqdm(total=config.max_train_tokens if by_tokens else config.max_steps,
+               initial=tokens_seen if by_tokens else step, unit="tok" if by_tokens else "step",
+               unit_scale=by_tokens, disable=not master, dynamic_ncols=True, file=sys.stderr,
+               mininterval=2.0)
     window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()
     loop_start = time.monotonic() - train_seconds
     last_saved = step if config.resume else -1
     stop = torch.zeros(1, dtype=torch.int64, device=device)  # NCCL broadcasts device tensors
+    stopped_by = None
     while True:
-        # stop: at max_steps or max_minutes; rank 0's clock decides for everyone
+        # stop: at the step or token budget, or (a safety) at max_minutes; rank 0 decides
         if master:
-            out_of_time = config.max_minutes and time.monotonic() - loop_start > 60 * config.max_minutes
-            stop[0] = int(step >= config.max_steps or bool(out_of_time))
+            stopped_by = budget_reached(config, step, tokens_seen)
+            if stopped_by is None and config.max_minutes and (
+                time.monotonic() - loop_start > 60 * config.max_minutes
+            ):
+                stopped_by = "max_minutes"
+            stop[0] = int(stopped_by is not None)
         dist.broadcast(stop, src=0)
         if stop.item():
             break
@@ -344,8 +363,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         step += 1
         train_seconds = time.monotonic() - loop_start
 
-        # log: every step to log.jsonl; every log_every steps the bar, wandb, activations
+        # log: every step to log.jsonl (loss, gradient norm, activations, logits, clipping);
+        # every log_every steps the bar and wandb
         loss_value = float(loss)
+        stats = step_stats(pipe, config.num_stages, device)  # collective, every rank, every step
+        record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr,
+                                  "tokens": tokens_seen}
+        if grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        record.update(stats)
+        record["clip_engaged"] = bool(config.clip_logits and stats["clipped_fraction"] > 0)
+        logger.step(record)
         if not math.isfinite(loss_value):
             raise FloatingPointError(
                 f"loss is {loss_value} at step {step}; lower lr={config.lr} or raise warmup_steps"
@@ -353,14 +381,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         window_loss += loss_value
         window_steps += 1
         window_tokens += sum(s + t for s, t in counts)
-        record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr,
-                                  "tokens": tokens_seen}
-        if grad_norm is not None:
-            record["grad_norm"] = float(grad_norm)
-        logger.step(record)
-        bar.update(1)
+        bar.update(sum(s + t for s, t in counts) if by_tokens else 1)
         if step % config.log_every == 0:
-            stats = stage_stats(pipe)  # collective: every rank reaches it at the same step
             elapsed = time.monotonic() - window_start
             metrics = {
                 "train/loss": window_loss / window_steps,
@@ -400,6 +422,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- final checkpoint and dev BLEU per resource bucket ----------------------------------
     path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
     train_minutes = train_seconds / 60
+    if stopped_by == "max_minutes":
+        say(f"warning: the wall-clock cap max_minutes={config.max_minutes} cut the run at step "
+            f"{step}, before its budget (max_steps={config.max_steps}, max_train_tokens="
+            f"{config.max_train_tokens}); its results are not those of the budgeted run")
     say(
         f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_minutes:.1f} min "
         f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
@@ -414,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         summary = {
             "steps": step,
             "tokens": tokens_seen,
+            # what ended the run: a budget (max_steps, max_train_tokens) or the wall-clock
+            # safety cap (max_minutes: the run was cut short of its budget)
+            "stopped_by": stopped_by,
             "train_minutes": round(train_minutes, 2),
             "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
             "total_minutes": round((time.monotonic() - started) / 60, 2),
