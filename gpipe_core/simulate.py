@@ -3,9 +3,10 @@
 The simulator replays a :class:`~gpipe_core.schedule.Schedule` in continuous time: each stage
 runs its actions in order, an action starts when the stage is free and its dependency has
 arrived (``F(s, m)`` after ``F(s-1, m)`` plus the transfer time; ``B(s, m)`` after ``F(s, m)``
-and ``B(s+1, m)`` plus the transfer time). A re-materialized micro-batch pays its forward again
-in backward. The result carries the same :class:`TimelineEvent` records the runtime writes, so
-a predicted timeline draws exactly like a measured one.
+and ``B(s+1, m)`` plus the transfer time). A re-materialized micro-batch runs its first forward
+without autograd and pays a forward with autograd again in backward. The result carries the
+same :class:`TimelineEvent` records the runtime writes, so a predicted timeline draws exactly
+like a measured one.
 """
 
 from __future__ import annotations
@@ -36,20 +37,38 @@ def simulate(
     forward: Sequence[float],
     backward: Sequence[float],
     *,
-    transfer: float = 0.0,
+    transfer: float | Sequence[float] = 0.0,
     checkpoint: str = "never",
+    recompute: Sequence[float] | None = None,
+    forward_no_grad: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
     input_bytes: Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times.
 
+    ``transfer``: seconds from the end of an action to its dependant's earliest start on the
+    neighbouring stage, one value for every boundary or one per boundary ``s -> s+1`` (K-1
+    values; activations and gradients cross a boundary in the same time).
+    Re-materialized micro-batches (``checkpoint``) run their forward without autograd
+    (``forward_no_grad[s]``, default ``forward[s]``) and pay a forward with autograd again
+    before their backward (``recompute[s]``, default ``forward[s]``).
     ``activation_bytes[s]``: what stage s keeps for one micro-batch's backward without
     re-materialization; ``input_bytes[s]``: its input, all it keeps when re-materialized.
     """
     k, m = schedule.num_stages, schedule.num_microbatches
-    for name, values in (("forward", forward), ("backward", backward)):
-        if len(values) != k:
+    for name, values in (("forward", forward), ("backward", backward),
+                         ("recompute", recompute), ("forward_no_grad", forward_no_grad)):
+        if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} costs for {k} stages; give one per stage")
+    if isinstance(transfer, (int, float)):
+        links = [float(transfer)] * max(k - 1, 0)
+    else:
+        links = [float(t) for t in transfer]
+        if len(links) != k - 1:
+            raise ValueError(f"transfer has {len(links)} values for {k - 1} boundaries between "
+                             f"{k} stages; give one per boundary or a single number")
+    rerun = list(forward) if recompute is None else list(recompute)
+    first_pass = list(forward) if forward_no_grad is None else list(forward_no_grad)
     stop = checkpoint_stop(checkpoint, m)
     finish: dict[tuple[int, str, int], float] = {}
     free = [0.0] * k
@@ -66,14 +85,15 @@ def simulate(
         for s in range(k):
             while cursor[s] < len(schedule.actions[s]):
                 action = schedule.actions[s][cursor[s]]
-                ready = _ready_time(action.kind, s, action.mb, k, finish, transfer)
+                ready = _ready_time(action.kind, s, action.mb, k, finish, links)
                 if ready is None:
                     break
                 start = max(free[s], ready)
+                rematerialized = action.mb < stop
                 if action.kind == "F":
-                    duration = forward[s]
+                    duration = first_pass[s] if rematerialized else forward[s]
                 else:
-                    duration = backward[s] + (forward[s] if action.mb < stop else 0.0)
+                    duration = backward[s] + (rerun[s] if rematerialized else 0.0)
                 end = start + duration
                 finish[(s, action.kind, action.mb)] = end
                 free[s] = end
@@ -100,20 +120,21 @@ def simulate(
 
 
 def _ready_time(
-    kind: str, s: int, mb: int, k: int, finish: dict[tuple[int, str, int], float], transfer: float
+    kind: str, s: int, mb: int, k: int, finish: dict[tuple[int, str, int], float],
+    links: Sequence[float],
 ) -> float | None:
     if kind == "F":
         if s == 0:
             return 0.0
         previous = finish.get((s - 1, "F", mb))
-        return None if previous is None else previous + transfer
+        return None if previous is None else previous + links[s - 1]
     own = finish.get((s, "F", mb))
     if own is None:
         return None
     if s == k - 1:
         return own
     later = finish.get((s + 1, "B", mb))
-    return None if later is None else max(own, later + transfer)
+    return None if later is None else max(own, later + links[s])
 
 
 def _kept_bytes(

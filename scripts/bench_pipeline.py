@@ -90,6 +90,12 @@ def rss_mb(field: str) -> float | None:
     return None
 
 
+def reset_peak_rss() -> None:
+    """Give cached free memory back to the system and restart the high-water mark ``VmHWM``."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def step_memory_mb(fn: Any) -> tuple[float | None, float | None]:
     """Peak resident memory during one step, and how much of it the step itself added.
 
@@ -99,8 +105,7 @@ def step_memory_mb(fn: Any) -> tuple[float | None, float | None]:
     touches: activations kept for backward, gradients, messages.
     """
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
+        reset_peak_rss()
     except OSError:
         return None, None
     before = rss_mb("VmRSS")

@@ -77,3 +77,30 @@ def test_plan_prefers_more_stages_and_respects_the_budget() -> None:
     assert tight[0].checkpoint != "never"  # only re-materialization fits
     with pytest.raises(ValueError, match="no plan fits"):
         plan(memory_budget=10.0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_hand_computed_timeline_with_transfer_and_rematerialization() -> None:
+    # gpipe(2, 2), except_last: micro-batch 0 is re-materialized, 1 is not. By hand:
+    #   stage 0: F0 0-0.8 (no autograd), F1 0.8-1.8
+    #   stage 1: F0 1.3-2.9 (0.8 + 0.5 transfer), F1 2.9-4.9, B1 4.9-7.9, B0 7.9-13.4 (3 + 2.5)
+    #   stage 0: B1 8.4-10.4 (7.9 + 0.5), B0 13.9-17.4 (13.4 + 0.5; 2 + 1.5 recompute)
+    sim = simulate(gp.gpipe(2, 2), [1.0, 2.0], [2.0, 3.0], transfer=[0.5],
+                   checkpoint="except_last", recompute=[1.5, 2.5], forward_no_grad=[0.8, 1.6])
+    spans = {e.action: (e.start, e.end) for e in sim.events}
+    expected = {"0F0": (0.0, 0.8), "0F1": (0.8, 1.8), "1F0": (1.3, 2.9), "1F1": (2.9, 4.9),
+                "1B1": (4.9, 7.9), "1B0": (7.9, 13.4), "0B1": (8.4, 10.4), "0B0": (13.9, 17.4)}
+    for action, (start, end) in expected.items():
+        assert spans[action] == (pytest.approx(start), pytest.approx(end)), action
+    assert sim.step_time == pytest.approx(17.4)
+    busy = 0.8 + 1.0 + 2.0 + 3.5 + 1.6 + 2.0 + 3.0 + 5.5
+    assert sim.bubble_fraction == pytest.approx(1 - busy / (2 * 17.4))
+
+
+def test_transfer_per_boundary() -> None:
+    # gpipe(3, 1): F chain 1 + 0.25 + 1 + 0.75 + 1, then B chain back 1 + 0.75 + 1 + 0.25 + 1.
+    sim = simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, transfer=[0.25, 0.75])
+    assert sim.step_time == pytest.approx(6.0 + 2 * (0.25 + 0.75))
+    with pytest.raises(ValueError, match="2 boundaries"):
+        simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, transfer=[0.25])
+    with pytest.raises(ValueError, match="recompute has 1 costs for 3 stages"):
+        simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, recompute=[1.0])

@@ -1,0 +1,196 @@
+"""The paper's two model families at CPU scale, shared by the systems reproduction scripts.
+
+Table 1 grows AmoebaNet-D in (L, D) and the Transformer in depth at fixed width; Table 2 runs
+one AmoebaNet-D and one deep Transformer. Both come from the apps (``apps.amoebanet``,
+``apps.nmt``), built on the ``meta`` device so that a process allocates only what it trains.
+A :class:`Family` bundles what an experiment needs: the size ladder, a builder, a fixed batch,
+the loss and the paper's optimiser (RMSProp for AmoebaNet, Adam for the Transformer).
+
+The CPU scale: AmoebaNet-D on 32x32 RGB images with a stride-1 stem (its normal cells then
+run at 8x8, 4x4 and 2x2, as the paper's 224-pixel input with a stride-2 stem runs at 28, 14
+and 7 after its own stem), batch 32; the Transformer at d_model 256, feed-forward 1024,
+4 heads, vocabulary 8000, batch 16 sentence pairs of 32 tokens each side.
+
+:func:`layer_sizes` measures, without allocating anything, what each layer keeps for backward
+(autograd's saved tensors, counted on ``meta``), its input and its parameters: the sizes the
+memory-aware balance, ``gp.simulate`` and ``gp.plan`` take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx.experimental import _config as fx_config
+
+from apps.amoebanet.model import build_amoebanet
+from apps.nmt.model import token_cross_entropy, transformer
+from gpipe_core.microbatch import flatten, map_tensors
+
+Size = dict[str, int]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family of the paper at CPU scale."""
+
+    name: str
+    ladder: list[Size]  # sizes in growing order: each entry grows one dimension of the last
+    build: Callable[[Size], nn.Sequential]  # on the meta device
+    batch: Callable[[int], tuple[Any, Tensor]]  # batch size -> (inputs, targets), seeded
+    loss_fn: Callable[[Any, Tensor], Tensor]
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    batch_size: int
+
+    def describe(self, size: Size) -> str:
+        return ", ".join(f"{k}={v}" for k, v in size.items())
+
+
+# --- AmoebaNet-D ----------------------------------------------------------------------------
+
+AMOEBA_IMAGE = 32
+
+
+def build_amoeba(size: Size) -> nn.Sequential:
+    return build_amoebanet("meta", genotype="D", num_normal_cells=size["L"], filters=size["D"],
+                           num_classes=10, in_chans=3, stem_stride=1)
+
+
+def amoeba_batch(batch_size: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, AMOEBA_IMAGE, AMOEBA_IMAGE, generator=g)
+    return images, torch.randint(0, 10, (batch_size,), generator=g)
+
+
+def amoeba_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
+
+
+def rmsprop(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    # The AmoebaNet reference: decay 0.9, momentum 0.9, epsilon 1.0 (two state tensors/param).
+    return torch.optim.RMSprop(params, lr=1e-3, alpha=0.9, momentum=0.9, eps=1.0,
+                               weight_decay=4e-5)
+
+
+def amoeba_ladder(filters: list[int], depths: list[int]) -> list[Size]:
+    """Grow D at the first depth, then L at the last width: every step grows one dimension,
+    so the memory a step needs grows along the ladder (what the search's bisection needs)."""
+    ladder = [{"L": depths[0], "D": d} for d in filters]
+    ladder += [{"L": n, "D": filters[-1]} for n in depths[1:]]
+    return ladder
+
+
+# --- Transformer ----------------------------------------------------------------------------
+
+NMT_WIDTH = {"d_model": 256, "ffn_dim": 1024, "num_heads": 4, "vocab_size": 8000}
+TINY_NMT_WIDTH = {"d_model": 32, "ffn_dim": 64, "num_heads": 2, "vocab_size": 500}
+NMT_SEQ = 32
+
+
+def build_nmt(size: Size, width: dict[str, int] = NMT_WIDTH) -> nn.Sequential:
+    with torch.device("meta"):
+        return transformer(num_layers=size["L"], head_dim=width["d_model"] // width["num_heads"],
+                           d_model=width["d_model"], ffn_dim=width["ffn_dim"],
+                           num_heads=width["num_heads"], vocab_size=width["vocab_size"],
+                           dropout=0.1, max_positions=NMT_SEQ + 1)
+
+
+def nmt_batch(batch_size: int, vocab: int = NMT_WIDTH["vocab_size"]
+              ) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, vocab, (batch_size, NMT_SEQ), generator=g)
+    tgt = torch.randint(4, vocab, (batch_size, NMT_SEQ + 1), generator=g)
+    return (src, tgt[:, :-1]), tgt[:, 1:]
+
+
+def nmt_loss(logits: Tensor, target_ids: Tensor) -> Tensor:
+    return token_cross_entropy(logits, target_ids, pad_id=0, label_smoothing=0.1)
+
+
+def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.98))  # two state tensors/param
+
+
+FAMILIES: dict[str, Family] = {
+    "amoebanet": Family(
+        "amoebanet",
+        amoeba_ladder([8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256],
+                      [6, 9, 12, 18, 24, 36, 48]),
+        build_amoeba, amoeba_batch, amoeba_loss, rmsprop, batch_size=32),
+    "transformer": Family(
+        "transformer",
+        [{"L": n} for n in (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)],
+        build_nmt, nmt_batch, nmt_loss, adam, batch_size=16),
+}
+
+# Tiny families for the tests: the same code paths on models that build and step in a second.
+TINY_FAMILIES: dict[str, Family] = {
+    "amoebanet": Family("amoebanet", amoeba_ladder([4, 8, 16], [3, 6, 9, 12]), build_amoeba,
+                        amoeba_batch, amoeba_loss, rmsprop, batch_size=8),
+    "transformer": Family("transformer", [{"L": n} for n in (1, 2, 3, 4, 6, 8)],
+                          partial(build_nmt, width=TINY_NMT_WIDTH),
+                          partial(nmt_batch, vocab=TINY_NMT_WIDTH["vocab_size"]), nmt_loss, adam,
+                          batch_size=4),
+}
+
+
+# --- sizes without memory -------------------------------------------------------------------
+
+
+@dataclass
+class LayerSizes:
+    """Per layer of a model, for a given batch: bytes kept for backward, input, parameters."""
+
+    saved: list[float]  # autograd's saved tensors (each counted once per tensor)
+    inputs: list[float]  # the layer's input: all a re-materialized layer keeps
+    params: list[float]  # parameter bytes
+    outputs: list[float]  # the layer's output: what a stage sends downstream
+
+
+def _nbytes(value: Any) -> float:
+    leaves, _ = flatten(value)
+    return float(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, Tensor)))
+
+
+class _SavedTensorBytes:
+    """Bytes of the tensors autograd saves, each tensor once (meta tensors have no storage to
+    tell views apart; the graph keeps saved tensors alive, so their ids stay unique)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._seen: set[int] = set()
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        if not isinstance(tensor, nn.Parameter) and id(tensor) not in self._seen:
+            self._seen.add(id(tensor))
+            self.total += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def layer_sizes(model: nn.Sequential, inputs: Any) -> LayerSizes:
+    """Run ``inputs`` through ``model`` on the meta device and count each layer's sizes.
+
+    Works on a model built on ``meta`` (nothing is allocated). Saved tensors are counted by
+    their own size, so two views of one storage count twice: an upper bound, a close one for
+    these models (views are rare among the tensors autograd saves here).
+    """
+    x = map_tensors(inputs, lambda t: t.to("meta"))
+    sizes = LayerSizes([], [], [], [])
+    for layer in model:
+        x = map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        saved = _SavedTensorBytes()
+        # Data-dependent indexing (e.g. counting clipped logits) has no meta kernel unless told
+        # to assume every element is selected: an upper bound again.
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+                fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+            y = layer(x)
+        sizes.saved.append(saved.total)
+        sizes.inputs.append(_nbytes(x))
+        sizes.params.append(float(sum(p.numel() * p.element_size() for p in layer.parameters())))
+        sizes.outputs.append(_nbytes(y))
+        x = y
+    return sizes
