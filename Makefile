@@ -9,7 +9,7 @@ TORCHRUN := $(VENV)/bin/torchrun --nnodes 1 --nproc-per-node $(NPROC) --rdzv-bac
 ARGS ?=
 
 .PHONY: install test test-fast lint smoke train-nmt eval-nmt train-amoebanet eval-amoebanet \
-        bench bench-overhead bench-pipeline clean
+        bench bench-overhead bench-pipeline reproduce-stability reproduce-depth-width clean
 
 install: $(STAMP)
 
@@ -55,6 +55,15 @@ bench-pipeline: install
 	$(PY) scripts/bench_pipeline.py
 
 bench: bench-overhead bench-pipeline
+
+# The paper's NMT findings at CPU scale (docs/REPRODUCTION.md): the 128-layer model with and
+# without its stability fixes (~50 min), and deep against wide against small (~70 min).
+# Each prepares its corpus, trains under torchrun and writes JSON + PNG to docs/reproduction/.
+reproduce-stability: install
+	$(PY) scripts/reproduce_stability.py --set eval_max_sentences=100 $(ARGS)
+
+reproduce-depth-width: install
+	$(PY) scripts/reproduce_depth_width.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache out

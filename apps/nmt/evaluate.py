@@ -213,6 +213,34 @@ def translate(
     return [mine[i] for i in range(len(sentences))]
 
 
+@torch.no_grad()
+def mean_token_loss(
+    model: nn.Sequential,
+    config: NMTConfig,
+    *,
+    split: str = "dev",
+    max_per_lang: int | None = None,
+    device: torch.device | None = None,
+) -> float:
+    """Cross entropy per target token (nats, no label smoothing, the model in eval mode) over
+    the first ``max_per_lang`` pairs of each trained language of ``split``."""
+    from apps.nmt.data import eval_batches
+    from apps.nmt.model import token_cross_entropy_sum
+
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    for batch in eval_batches(config.data_dir, split, max_tokens=4096,
+                              languages=train_languages(config), max_per_lang=max_per_lang):
+        logits = model((batch.src.to(device), batch.tgt_in.to(device)))
+        target = batch.tgt_out.to(device)
+        total += float(token_cross_entropy_sum(logits, target, pad_id=config.pad_id))
+        tokens += int(target.ne(config.pad_id).sum())
+    model.train(was_training)
+    return total / max(tokens, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Scores
 

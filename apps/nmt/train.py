@@ -48,6 +48,7 @@ from apps.nmt.evaluate import (
     evaluate,
     format_report,
     load_model,
+    mean_token_loss,
     resolve_checkpoint,
     write_report,
 )
@@ -435,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     summary = None
     if master:
         assert report is not None
+        dev_loss = mean_token_loss(load_model(config, path, device), config, split="dev",
+                                   max_per_lang=config.eval_max_sentences, device=device)
         write_report(report, out_dir / "dev_bleu.json")
         say(format_report(report))
         summary = {
@@ -447,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
             "total_minutes": round((time.monotonic() - started) / 60, 2),
             "checkpoint": str(path),
+            "dev_loss": round(dev_loss, 5),  # nats per target token, no label smoothing
             "dev": {b: {"bleu": v["bleu"], "copy_bleu": v["copy_bleu"]}
                     for b, v in report["buckets"].items()},
         }
