@@ -87,6 +87,7 @@ def amoeba_ladder(filters: list[int], depths: list[int]) -> list[Size]:
 # --- Transformer ----------------------------------------------------------------------------
 
 NMT_WIDTH = {"d_model": 256, "ffn_dim": 1024, "num_heads": 4, "vocab_size": 8000}
+SMALL_NMT_WIDTH = {"d_model": 128, "ffn_dim": 512, "num_heads": 2, "vocab_size": 4000}  # the app's CPU default
 TINY_NMT_WIDTH = {"d_model": 32, "ffn_dim": 64, "num_heads": 2, "vocab_size": 500}
 NMT_SEQ = 32
 
@@ -99,11 +100,11 @@ def build_nmt(size: Size, width: dict[str, int] = NMT_WIDTH) -> nn.Sequential:
                            dropout=0.1, max_positions=NMT_SEQ + 1)
 
 
-def nmt_batch(batch_size: int, vocab: int = NMT_WIDTH["vocab_size"]
+def nmt_batch(batch_size: int, vocab: int = NMT_WIDTH["vocab_size"], seq: int = NMT_SEQ
               ) -> tuple[tuple[Tensor, Tensor], Tensor]:
     g = torch.Generator().manual_seed(0)
-    src = torch.randint(4, vocab, (batch_size, NMT_SEQ), generator=g)
-    tgt = torch.randint(4, vocab, (batch_size, NMT_SEQ + 1), generator=g)
+    src = torch.randint(4, vocab, (batch_size, seq), generator=g)
+    tgt = torch.randint(4, vocab, (batch_size, seq + 1), generator=g)
     return (src, tgt[:, :-1]), tgt[:, 1:]
 
 
@@ -138,6 +139,20 @@ TINY_FAMILIES: dict[str, Family] = {
 }
 
 
+# Table 2's models: AmoebaNet-D(12, 24), batch 32, and a deep Transformer (12 encoder + 12 decoder
+# layers at the NMT app's CPU width), batch 32 pairs of 16 tokens; under a second a step on a core.
+THROUGHPUT_FAMILIES: dict[str, tuple[Family, Size]] = {
+    "amoebanet": (FAMILIES["amoebanet"], {"L": 12, "D": 24}),
+    "transformer": (Family("transformer", [{"L": 12}], partial(build_nmt, width=SMALL_NMT_WIDTH),
+                           partial(nmt_batch, vocab=SMALL_NMT_WIDTH["vocab_size"], seq=16),
+                           nmt_loss, adam, batch_size=32), {"L": 12}),
+}
+TINY_THROUGHPUT_FAMILIES: dict[str, tuple[Family, Size]] = {
+    "amoebanet": (TINY_FAMILIES["amoebanet"], {"L": 3, "D": 4}),
+    "transformer": (TINY_FAMILIES["transformer"], {"L": 2}),
+}
+
+
 # --- sizes without memory -------------------------------------------------------------------
 
 
@@ -165,7 +180,10 @@ class _SavedTensorBytes:
         self._seen: set[int] = set()
 
     def pack(self, tensor: Tensor) -> Tensor:
-        if not isinstance(tensor, nn.Parameter) and id(tensor) not in self._seen:
+        # Parameters (and views of them, e.g. a Linear's transposed weight) are not activations.
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            return tensor
+        if id(tensor) not in self._seen:
             self._seen.add(id(tensor))
             self.total += tensor.numel() * tensor.element_size()
         return tensor

@@ -1,0 +1,504 @@
+"""Table 2 at CPU scale, and ``gp.simulate`` against measurement.
+
+One run per model family (AmoebaNet-D and a deep Transformer from the apps; see
+``THROUGHPUT_FAMILIES`` in ``scripts/reproduction.py``), two gloo processes, one thread each,
+each pinned to its own core (``gp.bind_cpus``) and keeping freed memory mapped
+(``gp.hold_freed_memory``), as ``scripts/bench_pipeline.py`` runs them. In that run:
+
+1. **Costs.** Both processes measure every layer's forward (with and without autograd) and
+   backward on one micro-batch, for each micro-batch size N/M, layer by layer on the real
+   activations (the loss counts with the last layer); both at once and once per round of the
+   measurement below, so that the machine's load (shared with other jobs here) touches costs
+   and steps alike; medians over rounds, mean of the two processes. The K=2 balance comes
+   from a first whole-batch profile. The transfer time: a gloo ping-pong between the two
+   processes for several payload sizes, fitted as latency + bytes / bandwidth.
+2. **Measured.** For each M, round-robin (one step of each configuration per round, so that
+   changes in machine load touch all alike; medians over rounds): the plain module in one
+   process on the whole batch, and ``DistributedGPipe`` at K=2 with the balance
+   ``balance_by_time`` would choose (optimal min-max cut of the measured per-layer
+   forward+backward time), for several schedules and re-materialization modes. Each step's
+   time is its slowest rank's. Each rank's peak resident memory during a step, above its
+   resident size just before it with the gradients freed, is recorded once per configuration.
+3. **Predicted.** ``gp.simulate`` on the same schedule, with stage costs summed from the
+   layer costs, the no-autograd forward for re-materialized micro-batches, the recomputation
+   in backward, and the fitted transfer time of the boundary's payload; peak memory as the
+   stage's gradients plus the activations the simulation keeps (meta sizes) plus, when
+   re-materializing, one micro-batch's saved activations during its backward.
+4. **Table 2.** Measured K=2 throughput for M = 1, 4, 8, 32 (fill-drain, ``except_last`` as
+   in the paper), normalised to K=2, M=1; predicted for K = 2, 4, 8, 16 from the same costs.
+
+Writes ``throughput.json`` (every row), ``throughput.png`` (Table 2 curves) and
+``simulator.png`` (predicted against measured step time and memory).
+
+    python scripts/reproduce_throughput.py [--families amoebanet transformer --steps 5]
+    python scripts/reproduce_throughput.py --tiny --out /tmp/throughput   # for the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+import gpipe_core as gp
+from gpipe_core.checkpoint import checkpoint_stop
+from gpipe_core.microbatch import flatten, map_tensors, scatter
+from gpipe_core.partition import optimal_balance
+from gpipe_core.schedule import get_schedule
+from scripts.bench_pipeline import step_memory_mb, timed_step
+from scripts.reproduction import (
+    THROUGHPUT_FAMILIES,
+    TINY_THROUGHPUT_FAMILIES,
+    Family,
+    layer_sizes,
+)
+
+K = 2  # measured pipelines: two processes on this 2-core machine
+MB = 2**20
+# (schedule, re-materialization) measured at every M; the first is the paper's Table 2 setting.
+CONFIGS = [("gpipe", "except_last"), ("gpipe", "never"), ("gpipe", "always"), ("1f1b", "never"),
+           ("1f1b_slack1", "never")]
+PREDICTED_STAGES = [2, 4, 8, 16]
+PAPER_TABLE2 = {  # ../shared/PAPER.md, throughput normalised to K=2, M=1 (TPU)
+    "amoebanet": {(1, 2): 1, (1, 4): 1.13, (1, 8): 1.38, (4, 2): 1.07, (4, 4): 1.26,
+                  (4, 8): 1.72, (32, 2): 1.21, (32, 4): 1.84, (32, 8): 3.48},
+    "transformer": {(1, 2): 1, (1, 4): 1.07, (1, 8): 1.3, (4, 2): 1.7, (4, 4): 3.2,
+                    (4, 8): 4.8, (32, 2): 1.8, (32, 4): 3.4, (32, 8): 6.3},
+}
+
+
+@dataclass
+class LayerCosts:
+    """Seconds per layer for one micro-batch (medians over repeats); the loss is in the last."""
+
+    forward: list[float]
+    forward_no_grad: list[float]
+    backward: list[float]
+
+
+def _grad_leaves(value: Any) -> list[Tensor]:
+    leaves, _ = flatten(value)
+    return [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+
+
+def profile_layers(model: nn.Sequential, inputs: Any, targets: Any, loss_fn: Any,
+                   repeats: int) -> LayerCosts:
+    """Time each layer's forward (with and without autograd) and backward on real activations.
+
+    The backward of layer i gets the gradient layer i+1's backward produced for its input, as
+    in a real step; the last layer's forward and backward include the loss.
+    """
+    n = len(model)
+    samples: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(3)]
+    for _ in range(repeats):
+        x = inputs
+        layer_inputs, layer_outputs = [], []
+        for i, layer in enumerate(model):
+            x_in = map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+            with torch.no_grad():
+                start = time.perf_counter()
+                layer(x_in)
+                samples[1][i].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            y = layer(x_in)
+            if i == n - 1:
+                y = loss_fn(y, targets)
+            samples[0][i].append(time.perf_counter() - start)
+            layer_inputs.append(x_in)
+            layer_outputs.append(y)
+            x = y
+        grads: list[Tensor | None] | None = None
+        for i in reversed(range(n)):
+            outputs = _grad_leaves(layer_outputs[i])
+            start = time.perf_counter()
+            if i == n - 1:
+                torch.autograd.backward(outputs)
+            elif outputs:
+                assert grads is not None
+                pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            samples[2][i].append(time.perf_counter() - start)
+            grads = [t.grad for t in _grad_leaves(layer_inputs[i])]
+        model.zero_grad(set_to_none=True)
+    forward, no_grad, backward = ([statistics.median(t) for t in kind] for kind in samples)
+    return LayerCosts(forward, no_grad, backward)
+
+
+def mean_costs(per_rank: list[dict[Any, Any]], m: int) -> LayerCosts:
+    """Each rank profiled every layer under the same load; a layer's cost is their mean."""
+    costs = [LayerCosts(**(c[m] if m in c else c[str(m)])) for c in per_rank]
+    return LayerCosts(*[[statistics.fmean(v) for v in zip(*[getattr(c, f) for c in costs],
+                                                          strict=True)]
+                        for f in ("forward", "forward_no_grad", "backward")])
+
+
+def ping_pong(rank: int, sizes: list[int], repeats: int) -> dict[int, float]:
+    """One-way seconds for a message of each size (bytes) between ranks 0 and 1: RTT / 2."""
+    result = {}
+    for size in sizes:
+        buffer = torch.zeros(max(size // 4, 1))
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            times.append((time.perf_counter() - start) / 2)
+        result[size] = statistics.median(times)
+    return result
+
+
+def fit_transfer(points: dict[int, float]) -> tuple[float, float]:
+    """Least-squares latency (s) and seconds per byte through (bytes, one-way seconds)."""
+    xs, ys = list(points), list(points.values())
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+    return max(mean_y - slope * mean_x, 0.0), max(slope, 0.0)
+
+
+# --- prediction -----------------------------------------------------------------------------
+
+
+def stage_sums(values: list[float], balance: list[int]) -> list[float]:
+    bounds = [sum(balance[:i]) for i in range(len(balance) + 1)]
+    return [float(sum(values[a:b])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def predict(costs: LayerCosts, sizes: Any, balance: list[int],
+            schedule: str, checkpoint: str, m: int, transfer: tuple[float, float]
+            ) -> gp.Simulation:
+    """``gp.simulate`` for one configuration from per-layer costs (one micro-batch each)."""
+    k = len(balance)
+    bounds = [sum(balance[: i + 1]) for i in range(k)]
+    latency, per_byte = transfer
+    links = [latency + per_byte * sizes.outputs[b - 1] for b in bounds[:-1]]
+    return gp.simulate(
+        get_schedule(schedule, k, m), stage_sums(costs.forward, balance),
+        stage_sums(costs.backward, balance), transfer=links, checkpoint=checkpoint,
+        recompute=stage_sums(costs.forward, balance),
+        forward_no_grad=stage_sums(costs.forward_no_grad, balance),
+        activation_bytes=stage_sums(sizes.saved, balance),
+        input_bytes=[sizes.inputs[sum(balance[:s])] for s in range(k)])
+
+
+def predicted_memory_mb(sim: gp.Simulation, sizes: Any, param_bytes: list[float],
+                        balance: list[int], checkpoint: str, m: int) -> list[float]:
+    """Per stage: gradients + activations kept at the simulated peak + one micro-batch's
+    saved activations while it is recomputed (re-materialized modes only)."""
+    saved = stage_sums(sizes.saved, balance)
+    grads = stage_sums(param_bytes, balance)
+    working = [s if checkpoint_stop(checkpoint, m) > 0 else 0.0 for s in saved]
+    return [(g + p + w) / MB for g, p, w in zip(grads, sim.peak_bytes, working, strict=True)]
+
+
+# --- the measured run -----------------------------------------------------------------------
+
+
+def worker(rank: int, args: argparse.Namespace, root: str) -> None:
+    gp.bind_cpus(rank, K)  # one core per rank; torch threads = 1
+    gp.hold_freed_memory()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
+                            world_size=K, timeout=datetime.timedelta(seconds=300))
+    families = TINY_THROUGHPUT_FAMILIES if args.tiny else THROUGHPUT_FAMILIES
+    family, size = families[args.family]
+    inputs, targets = family.batch(family.batch_size)
+    plain = gp.materialize(family.build(size), seed=0)
+
+    # 1. The balance from whole-batch layer costs, both ranks at once; transfer time.
+    profile_layers(plain, inputs, targets, family.loss_fn, 1)  # warm
+    first: list[Any] = [None] * K
+    dist.all_gather_object(first, asdict(profile_layers(plain, inputs, targets, family.loss_fn,
+                                                        args.profile_repeats)))
+    whole_batch = mean_costs([{1: c} for c in first], 1)  # the same on every rank
+    whole = [f + b for f, b in zip(whole_batch.forward, whole_batch.backward, strict=True)]
+    balance = list(optimal_balance(whole, K))  # what balance_by_time computes from these costs
+    full_sizes = layer_sizes(family.build(size), inputs)
+    payloads = sorted({1024, 64 * 1024, 1 << 20, 4 << 20}
+                      | {int(b) for b in full_sizes.outputs})
+    transfer_points = ping_pong(rank, payloads, repeats=args.pingpong_repeats)
+
+    # 2. Every configuration, round-robin per M.
+    def plain_step() -> None:
+        if rank == 0:
+            plain.zero_grad(set_to_none=True)
+            family.loss_fn(plain(inputs), targets).backward()
+
+    rows = []
+    costs: dict[int, LayerCosts] = {}
+    for m in args.microbatches:
+        # Layer costs on this M's micro-batch are measured in the same rounds as the steps, so
+        # that the machine's load (shared here) touches costs and steps alike.
+        x_mb, y_mb = scatter(inputs, m)[0], scatter(targets, m)[0]
+        profiles: list[LayerCosts] = []
+
+        def profile(x_mb: Any = x_mb, y_mb: Any = y_mb, profiles: list[LayerCosts] = profiles
+                    ) -> None:
+            profiles.append(profile_layers(plain, x_mb, y_mb, family.loss_fn, 1))
+
+        configs: dict[tuple[str, str], Any] = {("plain", "-"): (plain_step, plain),
+                                               ("profile", "-"): (profile, plain)}
+        for schedule, checkpoint in CONFIGS:
+            pipe = gp.DistributedGPipe(family.build(size), balance, chunks=m, schedule=schedule,
+                                       checkpoint=checkpoint, loss_fn=family.loss_fn, seed=0)
+
+            def step(pipe: gp.DistributedGPipe = pipe) -> None:
+                pipe.zero_grad(set_to_none=True)
+                pipe.step(inputs if pipe.is_first else None, targets if pipe.is_last else None)
+
+            configs[(schedule, checkpoint)] = (step, pipe)
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
+        memory: dict[tuple[str, str], Any] = {}
+        for round_ in range(args.warmup + args.steps):
+            for key, (fn, module) in configs.items():
+                if round_ == args.warmup - 1:  # a warm step measures memory, untimed
+                    module.zero_grad(set_to_none=True)
+                    memory[key] = step_memory_mb(fn)
+                    continue
+                seconds = timed_step(fn)
+                if round_ >= args.warmup:
+                    times[key].append(seconds)
+        del times[("profile", "-")]
+        costs[m] = LayerCosts(*[[statistics.median(v) for v in zip(*[getattr(p, f) for p in
+                                                                    profiles[args.warmup:]],
+                                                                  strict=True)]
+                                for f in ("forward", "forward_no_grad", "backward")])
+        for (schedule, checkpoint), samples in times.items():
+            rank_memory: list[Any] = [None] * K
+            dist.all_gather_object(rank_memory, memory[(schedule, checkpoint)])
+            rows.append({"M": m, "schedule": schedule, "checkpoint": checkpoint,
+                         "seconds": statistics.median(samples), "samples": samples,
+                         "step_memory_mb_per_rank": [added for _, added in rank_memory]})
+        del configs
+    all_costs: list[Any] = [None] * K
+    dist.all_gather_object(all_costs, {m: asdict(c) for m, c in costs.items()})
+    all_transfer: list[Any] = [None] * K
+    dist.all_gather_object(all_transfer, transfer_points)
+    if rank == 0:
+        Path(root, "run.json").write_text(json.dumps({
+            "rows": rows, "balance": balance, "costs_per_rank": all_costs,
+            "transfer_points": {str(k): v for k, v in all_transfer[0].items()},
+            "layers": len(plain), "parameters": sum(p.numel() for p in plain.parameters()),
+            "size": size, "batch_size": family.batch_size}))
+    dist.destroy_process_group()
+
+
+def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> dict[str, Any]:
+    """Predictions beside the measurements, and Table 2."""
+    families = TINY_THROUGHPUT_FAMILIES if args.tiny else THROUGHPUT_FAMILIES
+    _, size = families[args.family]
+    inputs, _ = family.batch(family.batch_size)
+    meta = family.build(size)
+    param_bytes = [float(sum(p.numel() * p.element_size() for p in layer.parameters()))
+                   for layer in meta]
+    transfer = fit_transfer({int(k): v for k, v in run["transfer_points"].items()})
+    costs = {m: mean_costs(run["costs_per_rank"], m) for m in args.microbatches}
+    balance = run["balance"]
+    plain_time = {r["M"]: r["seconds"] for r in run["rows"] if r["schedule"] == "plain"}
+    accuracy = []
+    for row in run["rows"]:
+        if row["schedule"] == "plain":
+            continue
+        m = row["M"]
+        sizes = layer_sizes(family.build(size), _first_microbatch(inputs, m))
+        sim = predict(costs[m], sizes, balance, row["schedule"], row["checkpoint"], m, transfer)
+        mem = predicted_memory_mb(sim, sizes, param_bytes, balance, row["checkpoint"], m)
+        row.update(predicted_seconds=sim.step_time, predicted_bubble=sim.bubble_fraction,
+                   time_error=sim.step_time / row["seconds"] - 1,
+                   predicted_step_memory_mb_per_rank=mem,
+                   speedup_over_plain=plain_time[m] / row["seconds"])
+        measured_mem = row["step_memory_mb_per_rank"]
+        if all(v is not None for v in measured_mem):
+            row["memory_error_per_rank"] = [p / q - 1 for p, q in zip(mem, measured_mem, strict=True)]
+        accuracy.append(row)
+    errors = [abs(r["time_error"]) for r in accuracy]
+    mem_errors = [abs(e) for r in accuracy for e in r.get("memory_error_per_rank", [])]
+    # Table 2: the paper's setting (fill-drain, except_last), normalised to K=2, M=1.
+    measured = {r["M"]: r["seconds"] for r in accuracy
+                if (r["schedule"], r["checkpoint"]) == CONFIGS[0]}
+    table2: dict[str, Any] = {"measured_K2": {}, "predicted": {}}
+    base = measured.get(1)
+    for m, seconds in measured.items():
+        table2["measured_K2"][m] = base / seconds if base else None
+    predicted_base = None
+    for k in [k for k in PREDICTED_STAGES if k <= run["layers"]]:
+        for m in args.microbatches:
+            whole = [f + b for f, b in zip(costs[m].forward, costs[m].backward, strict=True)]
+            bal = list(optimal_balance(whole, k))
+            sizes = layer_sizes(family.build(size), _first_microbatch(inputs, m))
+            sim = predict(costs[m], sizes, bal, CONFIGS[0][0], CONFIGS[0][1], m, transfer)
+            if k == 2 and m == 1:
+                predicted_base = sim.step_time
+            table2["predicted"][f"K={k},M={m}"] = {"seconds": sim.step_time, "balance": bal,
+                                                    "bubble": sim.bubble_fraction}
+    for entry in table2["predicted"].values():
+        entry["throughput"] = predicted_base / entry["seconds"] if predicted_base else None
+    table2["paper"] = {f"K={k},M={m}": v for (m, k), v in PAPER_TABLE2[args.family].items()}
+    return {
+        "family": args.family, "size": run["size"], "layers": run["layers"],
+        "parameters": run["parameters"], "batch_size": run["batch_size"], "balance": balance,
+        "transfer_latency_s": transfer[0], "transfer_bytes_per_s": 1 / transfer[1] if transfer[1] else None,
+        "transfer_points": run["transfer_points"],
+        "plain_seconds": plain_time, "rows": accuracy, "table2": table2,
+        "time_error_median": statistics.median(errors), "time_error_max": max(errors),
+        "memory_error_median": statistics.median(mem_errors) if mem_errors else None,
+        "memory_error_max": max(mem_errors) if mem_errors else None,
+        "costs": {m: asdict(c) for m, c in costs.items()},
+    }
+
+
+def _first_microbatch(inputs: Any, m: int) -> Any:
+    return scatter(inputs, m)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=["amoebanet", "transformer"])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--steps", type=int, default=5, help="timed rounds per M")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed rounds per M (>= 1: the last measures memory)")
+    parser.add_argument("--profile-repeats", type=int, default=5)
+    parser.add_argument("--pingpong-repeats", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true", help="tiny models for the tests")
+    parser.add_argument("--out", default="docs/reproduction")
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
+    if 1 not in args.microbatches:
+        parser.error("--microbatches must include 1: Table 2 is normalised to K=2, M=1")
+    families = TINY_THROUGHPUT_FAMILIES if args.tiny else THROUGHPUT_FAMILIES
+    started = time.monotonic()
+    report: dict[str, Any] = {"config": vars(args), "families": {}}
+    for name in args.families:
+        family, _ = families[name]
+        args.family = name
+        print(f"{name}: measuring K={K} for M={args.microbatches} ...", flush=True)
+        with tempfile.TemporaryDirectory() as root:
+            mp.start_processes(worker, args=(args, root), nprocs=K, start_method="spawn")
+            run = json.loads(Path(root, "run.json").read_text())
+        report["families"][name] = analyse(run, family, args)
+        print_family(report["families"][name])
+    del args.family
+    report["wall_seconds"] = time.monotonic() - started
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.json").write_text(json.dumps(report, indent=1))
+    plot_table2(report, out / "throughput.png")
+    plot_accuracy(report, out / "simulator.png")
+    print(f"wrote {out}/throughput.json, throughput.png, simulator.png "
+          f"({report['wall_seconds']:.0f} s)")
+
+
+def print_family(result: dict[str, Any]) -> None:
+    print(f"{result['family']} {result['size']}: {result['layers']} layers, "
+          f"{result['parameters']:,} parameters, batch {result['batch_size']}, K=2 balance "
+          f"{result['balance']}; transfer {result['transfer_latency_s'] * 1e6:.0f} us + bytes at "
+          f"{(result['transfer_bytes_per_s'] or 0) / 1e9:.2f} GB/s")
+    print(f"{'M':>3} {'schedule':<12}{'ckpt':<12}{'measured':>9}{'predicted':>10}{'err':>7}"
+          f"{'mem MB meas.':>16}{'pred.':>12}")
+    for r in result["rows"]:
+        meas = "/".join(f"{v:.0f}" if v is not None else "-" for v in r["step_memory_mb_per_rank"])
+        pred = "/".join(f"{v:.0f}" for v in r["predicted_step_memory_mb_per_rank"])
+        print(f"{r['M']:>3} {r['schedule']:<12}{r['checkpoint']:<12}{r['seconds']:>9.4f}"
+              f"{r['predicted_seconds']:>10.4f}{r['time_error']:>7.1%}{meas:>16}{pred:>12}")
+    print(f"step time |error|: median {result['time_error_median']:.1%}, worst "
+          f"{result['time_error_max']:.1%}; memory |error| median "
+          f"{(result['memory_error_median'] or 0):.1%}, worst {(result['memory_error_max'] or 0):.1%}")
+    table = result["table2"]
+    ms = sorted(int(m) for m in table["measured_K2"])
+    ks = sorted({int(key.split(",")[0][2:]) for key in table["predicted"]})
+    print("throughput normalised to K=2, M=1 (fill-drain, except_last): measured K=2 | predicted")
+    print(f"{'M':>3}{'K=2 meas.':>11}" + "".join(f"{'K=' + str(k):>8}" for k in ks))
+    for m in ms:
+        measured = table["measured_K2"].get(m) or table["measured_K2"].get(str(m))
+        print(f"{m:>3}{measured:>11.2f}" + "".join(
+            f"{table['predicted'][f'K={k},M={m}']['throughput']:>8.2f}" for k in ks))
+
+
+def plot_table2(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["families"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        table = report["families"][name]["table2"]
+        ks = sorted({int(key.split(",")[0][2:]) for key in table["predicted"]})
+        ms = sorted({int(key.split("M=")[1]) for key in table["predicted"]})
+        for k in ks:
+            ax.plot(ms, [table["predicted"][f"K={k},M={m}"]["throughput"] for m in ms], "-o",
+                    label=f"predicted K={k}")
+        measured = sorted((int(m), v) for m, v in table["measured_K2"].items())
+        ax.plot([m for m, _ in measured], [v for _, v in measured], "ks", markersize=8,
+                fillstyle="none", label="measured K=2")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batches M")
+        ax.set_ylabel("throughput / (K=2, M=1)")
+        ax.set_title(f"{name}: Table 2 at CPU scale")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_accuracy(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4.2))
+    markers = {"amoebanet": "o", "transformer": "^"}
+    colors = {"gpipe": "tab:blue", "1f1b": "tab:orange", "1f1b_slack1": "tab:green"}
+    for name, result in report["families"].items():
+        for r in result["rows"]:
+            ax_time.scatter(r["seconds"], r["predicted_seconds"], marker=markers.get(name, "o"),
+                            color=colors.get(r["schedule"], "gray"), s=18)
+            for meas, pred in zip(r["step_memory_mb_per_rank"],
+                                  r["predicted_step_memory_mb_per_rank"], strict=True):
+                if meas is not None:
+                    ax_mem.scatter(meas, pred, marker=markers.get(name, "o"),
+                                   color=colors.get(r["schedule"], "gray"), s=18)
+    for ax, unit in ((ax_time, "step time, s"), (ax_mem, "step memory above start, MB")):
+        lo, hi = ax.get_xlim()
+        lo, hi = min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1])
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+        ax.plot([lo, hi], [lo * 1.1, hi * 1.1], "k:", lw=0.6)
+        ax.plot([lo, hi], [lo * 0.9, hi * 0.9], "k:", lw=0.6)
+        ax.set_xlabel(f"measured {unit}")
+        ax.set_ylabel(f"predicted {unit}")
+    for schedule, color in colors.items():
+        ax_time.scatter([], [], color=color, label=schedule)
+    for name, marker in markers.items():
+        ax_time.scatter([], [], color="gray", marker=marker, label=name)
+    ax_time.legend(fontsize=7)
+    ax_time.set_title("gp.simulate vs measured, K=2 (dotted: +-10%)")
+    ax_mem.set_title("peak memory per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""scripts/reproduce_throughput.py end to end on a tiny model (its numbers are not checked:
+tiny layers measure Python overhead, not the pipeline); fit_transfer on exact points."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.reproduce_throughput import CONFIGS, fit_transfer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_fit_transfer_recovers_latency_and_bandwidth() -> None:
+    latency, per_byte = fit_transfer({n: 1e-4 + n * 1e-9 for n in (1024, 65536, 1 << 20)})
+    assert latency == pytest.approx(1e-4) and per_byte == pytest.approx(1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_throughput_writes_measured_and_predicted_rows(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "reproduce_throughput.py"), "--tiny",
+         "--families", "amoebanet", "--microbatches", "1", "2", "--steps", "1", "--warmup", "1",
+         "--profile-repeats", "1", "--pingpong-repeats", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    family = report["families"]["amoebanet"]
+    rows = {(r["M"], r["schedule"], r["checkpoint"]): r for r in family["rows"]}
+    assert set(rows) == {(m, s, c) for m in (1, 2) for s, c in CONFIGS}
+    for row in rows.values():
+        assert row["seconds"] > 0 and row["predicted_seconds"] > 0
+        assert len(row["predicted_step_memory_mb_per_rank"]) == 2
+    assert sum(family["balance"]) == family["layers"]
+    table = family["table2"]
+    assert table["measured_K2"]["1"] == pytest.approx(1.0)
+    assert table["predicted"]["K=2,M=1"]["throughput"] == pytest.approx(1.0)
+    for k in (2, 4, 8):
+        for m in (1, 2):
+            entry = table["predicted"][f"K={k},M={m}"]
+            assert len(entry["balance"]) == k and entry["seconds"] > 0
+    for name in ("throughput.png", "simulator.png"):
+        assert (tmp_path / name).stat().st_size > 0
