@@ -9,7 +9,8 @@ TORCHRUN := $(VENV)/bin/torchrun --nnodes 1 --nproc-per-node $(NPROC) --rdzv-bac
 ARGS ?=
 
 .PHONY: install test test-fast lint smoke train-nmt eval-nmt train-amoebanet eval-amoebanet \
-        bench bench-overhead bench-pipeline reproduce-stability reproduce-depth-width clean
+        bench bench-overhead bench-pipeline reproduce-stability reproduce-depth-width \
+        reproduce-memory reproduce-throughput clean
 
 install: $(STAMP)
 
@@ -64,6 +65,15 @@ reproduce-stability: install
 
 reproduce-depth-width: install
 	$(PY) scripts/reproduce_depth_width.py $(ARGS)
+
+# The paper's systems tables at CPU scale (docs/REPRODUCTION.md, results in docs/reproduction/).
+# Table 1: the largest AmoebaNet-D / Transformer whose training step fits 512 MB per process.
+reproduce-memory: install
+	$(PY) scripts/reproduce_memory.py $(ARGS)
+
+# Table 2: throughput against M measured at K=2, predicted for K up to 16; simulator accuracy.
+reproduce-throughput: install
+	$(PY) scripts/reproduce_throughput.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache out
