@@ -31,6 +31,10 @@ class TimelineEvent:
     action: str
     start: float
     end: float
+    # When the action's input (activation or gradient) had arrived and its computation began:
+    # ``ready - start`` is time spent waiting on a neighbour, ``end - ready`` the action's own
+    # cost (what the simulator takes as an action's duration). None where not recorded.
+    ready: float | None = None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class StageRuntime:
         if action.kind == "F":
             inputs = state.inputs[mb] if stage.is_first else self.transport.recv_activation(mb)
             targets = state.targets[mb] if stage.is_last and state.targets else None
+            ready = time.perf_counter() if self.record else 0.0
             outputs = stage.forward(state.step, mb, inputs, targets)
             if stage.is_last:
                 if state.keep_outputs:
@@ -78,6 +83,7 @@ class StageRuntime:
                 grads = None if stage.loss_fn is not None else state.output_grads.pop(mb)
             else:
                 grads = self.transport.recv_gradient(mb)
+            ready = time.perf_counter() if self.record else 0.0
             input_grads = stage.backward(state.step, mb, grads)
             if stage.is_first:
                 state.input_grads[mb] = input_grads
@@ -85,5 +91,5 @@ class StageRuntime:
                 self.transport.send_gradient(mb, input_grads)
         if self.record:
             self.timeline.append(
-                TimelineEvent(stage.stage_index, str(action), start, time.perf_counter())
+                TimelineEvent(stage.stage_index, str(action), start, time.perf_counter(), ready)
             )

@@ -37,6 +37,10 @@ def test_throughput_writes_measured_and_predicted_rows(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["seconds"] > 0 and row["predicted_seconds"] > 0
         assert len(row["predicted_step_memory_mb_per_rank"]) == 2
+        # The runtime's timeline splits each rank's step into its actions' compute and waits.
+        assert row["in_situ_seconds"] > 0
+        for compute, wait in zip(row["compute_per_step"], row["wait_per_step"], strict=True):
+            assert compute > 0 and wait >= 0 and compute <= row["seconds"] * 1.5
     assert sum(family["balance"]) == family["layers"]
     table = family["table2"]
     assert table["measured_K2"]["1"] == pytest.approx(1.0)
