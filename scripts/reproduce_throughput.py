@@ -147,30 +147,36 @@ def mean_costs(per_rank: list[dict[Any, Any]], m: int) -> LayerCosts:
 
 def action_costs(pipe: gp.DistributedGPipe, checkpoint: str, m: int, steps: int
                  ) -> dict[str, Any]:
-    """This rank's actions as they ran in the timed steps: median compute seconds per kind
-    (``F``/``B``, ``_remat`` for re-materialized micro-batches) and the share of the step spent
-    waiting for a neighbour's message (from the runtime's per-action timeline)."""
+    """This rank's actions as they ran in the timed steps, step by step: mean compute seconds
+    per kind (``F``/``B``, ``_remat`` for re-materialized micro-batches), and the seconds per
+    step spent computing and waiting for a neighbour's message (from the runtime's timeline).
+
+    Per step, because on a shared machine a step's actions are slowed together (preempted by
+    other jobs): each step is simulated from its own actions and compared with its own time.
+    """
     stop = checkpoint_stop(checkpoint, m)
-    groups: dict[str, list[float]] = {}
-    waited = computed = 0.0
-    for event in pipe.timeline:
-        assert event.ready is not None
-        kind = "F" if "F" in event.action else "B"
-        mb = int(event.action.split(kind)[1])
-        groups.setdefault(kind + ("_remat" if mb < stop else ""), []).append(
-            event.end - event.ready)
-        waited += event.ready - event.start
-        computed += event.end - event.ready
-    return {"compute": {k: statistics.median(v) for k, v in groups.items()},
-            "compute_per_step": computed / steps, "wait_per_step": waited / steps}
+    events = pipe.timeline
+    per_step = len(events) // steps
+    result: dict[str, Any] = {"steps": [], "compute_per_step": 0.0, "wait_per_step": 0.0}
+    for step in range(steps):
+        groups: dict[str, list[float]] = {}
+        for event in events[step * per_step:(step + 1) * per_step]:
+            assert event.ready is not None
+            kind = "F" if "F" in event.action else "B"
+            mb = int(event.action.split(kind)[1])
+            groups.setdefault(kind + ("_remat" if mb < stop else ""), []).append(
+                event.end - event.ready)
+            result["wait_per_step"] += (event.ready - event.start) / steps
+            result["compute_per_step"] += (event.end - event.ready) / steps
+        result["steps"].append({k: statistics.fmean(v) for k, v in groups.items()})
+    return result
 
 
-def in_situ_costs(actions_per_rank: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Stage costs for ``gp.simulate`` from the actions' own measured compute times."""
+def in_situ_costs(step_per_rank: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Stage costs for ``gp.simulate`` from one step's actions' own compute times."""
     costs: dict[str, list[float]] = {"forward": [], "forward_no_grad": [], "backward": [],
                                      "recompute": []}
-    for rank in actions_per_rank:
-        c = rank["compute"]
+    for c in step_per_rank:
         forward = c.get("F", c.get("F_remat", 0.0))
         backward = c.get("B", c.get("B_remat", 0.0))
         costs["forward"].append(forward)
@@ -368,16 +374,19 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
                    time_error=sim.step_time / row["seconds"] - 1,
                    predicted_step_memory_mb_per_rank=mem,
                    speedup_over_plain=plain_time[m] / row["seconds"])
-        stage_costs = in_situ_costs(row["actions_per_rank"])
         latency, per_byte = transfer
-        cut = balance[0]
-        link = latency + per_byte * sizes.outputs[cut - 1]
-        in_situ = gp.simulate(get_schedule(row["schedule"], K, m), stage_costs["forward"],
-                              stage_costs["backward"], transfer=[link] * (K - 1),
-                              checkpoint=row["checkpoint"], recompute=stage_costs["recompute"],
-                              forward_no_grad=stage_costs["forward_no_grad"])
-        row.update(in_situ_seconds=in_situ.step_time,
-                   in_situ_error=in_situ.step_time / row["seconds"] - 1,
+        link = latency + per_byte * sizes.outputs[balance[0] - 1]
+        in_situ = []  # each timed step simulated from its own actions' compute times
+        for step, measured_step in enumerate(row["samples"]):
+            stage_costs = in_situ_costs([a["steps"][step] for a in row["actions_per_rank"]])
+            sim_step = gp.simulate(
+                get_schedule(row["schedule"], K, m), stage_costs["forward"],
+                stage_costs["backward"], transfer=[link] * (K - 1),
+                checkpoint=row["checkpoint"], recompute=stage_costs["recompute"],
+                forward_no_grad=stage_costs["forward_no_grad"])
+            in_situ.append((sim_step.step_time, measured_step))
+        row.update(in_situ_seconds=statistics.median(p for p, _ in in_situ),
+                   in_situ_error=statistics.median(p / q - 1 for p, q in in_situ),
                    compute_per_step=[a["compute_per_step"] for a in row["actions_per_rank"]],
                    wait_per_step=[a["wait_per_step"] for a in row["actions_per_rank"]],
                    profiled_compute_per_step=[
