@@ -71,6 +71,7 @@ MB = 2**20
 CONFIGS = [("gpipe", "except_last"), ("gpipe", "never"), ("gpipe", "always"), ("1f1b", "never"),
            ("1f1b_slack1", "never")]
 PREDICTED_STAGES = [2, 4, 8, 16]
+CALIBRATION = ("gpipe", "never")  # its in-pipeline action costs calibrate the layer costs
 PAPER_TABLE2 = {  # ../shared/PAPER.md, throughput normalised to K=2, M=1 (TPU)
     "amoebanet": {(1, 2): 1, (1, 4): 1.13, (1, 8): 1.38, (4, 2): 1.07, (4, 4): 1.26,
                   (4, 8): 1.72, (32, 2): 1.21, (32, 4): 1.84, (32, 8): 3.48},
@@ -240,6 +241,22 @@ def predict(costs: LayerCosts, sizes: Any, balance: list[int],
         input_bytes=[sizes.inputs[sum(balance[:s])] for s in range(k)])
 
 
+def calibrate(costs: LayerCosts, rows: list[dict[str, Any]], m: int, balance: list[int]
+              ) -> LayerCosts:
+    """Scale each layer's costs by its stage's ratio of in-pipeline to profiled cost, taken
+    from the ``CALIBRATION`` configuration at the same M (mean over its timed steps)."""
+    ref = next(r for r in rows if r["M"] == m and (r["schedule"], r["checkpoint"]) == CALIBRATION)
+    forward, backward = stage_sums(costs.forward, balance), stage_sums(costs.backward, balance)
+    scale_f, scale_b = [], []
+    for s, rank in enumerate(ref["actions_per_rank"]):
+        scale_f.append(statistics.fmean(step["F"] for step in rank["steps"]) / forward[s])
+        scale_b.append(statistics.fmean(step["B"] for step in rank["steps"]) / backward[s])
+    stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
+    return LayerCosts([c * scale_f[stage_of[i]] for i, c in enumerate(costs.forward)],
+                      [c * scale_f[stage_of[i]] for i, c in enumerate(costs.forward_no_grad)],
+                      [c * scale_b[stage_of[i]] for i, c in enumerate(costs.backward)])
+
+
 def predicted_memory_mb(sim: gp.Simulation, sizes: Any, param_bytes: list[float],
                         balance: list[int], checkpoint: str, m: int) -> list[float]:
     """Per stage: gradients + activations kept at the simulated peak + one micro-batch's
@@ -399,6 +416,20 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
         if all(v is not None for v in measured_mem):
             row["memory_error_per_rank"] = [p / q - 1 for p, q in zip(mem, measured_mem, strict=True)]
         accuracy.append(row)
+    # Calibrated: layer costs scaled per stage so that the reference configuration's actions
+    # (fill-drain, no re-materialization, same M) cost what they cost inside the pipeline;
+    # then every *other* configuration is predicted from them (held out).
+    calibrated = {m: calibrate(costs[m], accuracy, m, balance) for m in args.microbatches}
+    for row in accuracy:
+        if (row["schedule"], row["checkpoint"]) == CALIBRATION:
+            continue
+        m = row["M"]
+        sizes = layer_sizes(family.build(size), _first_microbatch(inputs, m))
+        sim = predict(calibrated[m], sizes, balance, row["schedule"], row["checkpoint"], m,
+                      transfer)
+        row.update(calibrated_seconds=sim.step_time,
+                   calibrated_error=sim.step_time / row["seconds"] - 1)
+    calibrated_errors = [abs(r["calibrated_error"]) for r in accuracy if "calibrated_error" in r]
     errors = [abs(r["time_error"]) for r in accuracy]
     in_situ_errors = [abs(r["in_situ_error"]) for r in accuracy]
     mem_errors = [abs(e) for r in accuracy for e in r.get("memory_error_per_rank", [])]
@@ -409,19 +440,20 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
     base = measured.get(1)
     for m, seconds in measured.items():
         table2["measured_K2"][m] = base / seconds if base else None
-    predicted_base = None
-    for k in [k for k in PREDICTED_STAGES if k <= run["layers"]]:
-        for m in args.microbatches:
-            whole = [f + b for f, b in zip(costs[m].forward, costs[m].backward, strict=True)]
-            bal = list(optimal_balance(whole, k))
-            sizes = layer_sizes(family.build(size), _first_microbatch(inputs, m))
-            sim = predict(costs[m], sizes, bal, CONFIGS[0][0], CONFIGS[0][1], m, transfer)
-            if k == 2 and m == 1:
-                predicted_base = sim.step_time
-            table2["predicted"][f"K={k},M={m}"] = {"seconds": sim.step_time, "balance": bal,
-                                                    "bubble": sim.bubble_fraction}
-    for entry in table2["predicted"].values():
-        entry["throughput"] = predicted_base / entry["seconds"] if predicted_base else None
+    for key, layer_costs in (("predicted", costs), ("predicted_calibrated", calibrated)):
+        table2[key] = {}
+        for k in [k for k in PREDICTED_STAGES if k <= run["layers"]]:
+            for m in args.microbatches:
+                c = layer_costs[m]
+                whole = [f + b for f, b in zip(c.forward, c.backward, strict=True)]
+                bal = list(optimal_balance(whole, k))
+                sizes = layer_sizes(family.build(size), _first_microbatch(inputs, m))
+                sim = predict(c, sizes, bal, CONFIGS[0][0], CONFIGS[0][1], m, transfer)
+                table2[key][f"K={k},M={m}"] = {"seconds": sim.step_time, "balance": bal,
+                                               "bubble": sim.bubble_fraction}
+        predicted_base = table2[key]["K=2,M=1"]["seconds"]
+        for entry in table2[key].values():
+            entry["throughput"] = predicted_base / entry["seconds"]
     table2["paper"] = {f"K={k},M={m}": v for (m, k), v in PAPER_TABLE2[args.family].items()}
     return {
         "family": args.family, "size": run["size"], "layers": run["layers"],
@@ -432,6 +464,8 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
         "time_error_median": statistics.median(errors), "time_error_max": max(errors),
         "in_situ_error_median": statistics.median(in_situ_errors),
         "in_situ_error_max": max(in_situ_errors),
+        "calibrated_error_median": statistics.median(calibrated_errors),
+        "calibrated_error_max": max(calibrated_errors),
         "memory_error_median": statistics.median(mem_errors) if mem_errors else None,
         "memory_error_max": max(mem_errors) if mem_errors else None,
         "costs": {m: asdict(c) for m, c in costs.items()},
@@ -501,17 +535,21 @@ def print_family(result: dict[str, Any]) -> None:
     print(f"step time |error| from profiled layer costs: median "
           f"{result['time_error_median']:.1%}, worst {result['time_error_max']:.1%}; from the "
           f"actions' own compute times (in situ): median {result['in_situ_error_median']:.1%}, "
-          f"worst {result['in_situ_error_max']:.1%}; memory |error| median "
+          f"worst {result['in_situ_error_max']:.1%}; calibrated on {'/'.join(CALIBRATION)} at "
+          f"each M, the other configurations: median {result['calibrated_error_median']:.1%}, "
+          f"worst {result['calibrated_error_max']:.1%}; memory |error| median "
           f"{(result['memory_error_median'] or 0):.1%}, worst {(result['memory_error_max'] or 0):.1%}")
     table = result["table2"]
     ms = sorted(int(m) for m in table["measured_K2"])
     ks = sorted({int(key.split(",")[0][2:]) for key in table["predicted"]})
-    print("throughput normalised to K=2, M=1 (fill-drain, except_last): measured K=2 | predicted")
-    print(f"{'M':>3}{'K=2 meas.':>11}" + "".join(f"{'K=' + str(k):>8}" for k in ks))
+    print("throughput normalised to K=2, M=1 (fill-drain, except_last): measured K=2 | "
+          "predicted from profiled costs | predicted from calibrated costs")
+    print(f"{'M':>3}{'K=2 meas.':>11}" + "".join(f"{'K=' + str(k):>8}" for k in ks) * 2)
     for m in ms:
         measured = table["measured_K2"].get(m) or table["measured_K2"].get(str(m))
         print(f"{m:>3}{measured:>11.2f}" + "".join(
-            f"{table['predicted'][f'K={k},M={m}']['throughput']:>8.2f}" for k in ks))
+            f"{table[key][f'K={k},M={m}']['throughput']:>8.2f}"
+            for key in ("predicted", "predicted_calibrated") for k in ks))
 
 
 def plot_table2(report: dict[str, Any], path: Path) -> None:
@@ -526,9 +564,12 @@ def plot_table2(report: dict[str, Any], path: Path) -> None:
         table = report["families"][name]["table2"]
         ks = sorted({int(key.split(",")[0][2:]) for key in table["predicted"]})
         ms = sorted({int(key.split("M=")[1]) for key in table["predicted"]})
-        for k in ks:
+        for index, k in enumerate(ks):
+            color = f"C{index}"
             ax.plot(ms, [table["predicted"][f"K={k},M={m}"]["throughput"] for m in ms], "-o",
-                    label=f"predicted K={k}")
+                    color=color, label=f"predicted K={k}")
+            ax.plot(ms, [table["predicted_calibrated"][f"K={k},M={m}"]["throughput"] for m in ms],
+                    "--", color=color, label=f"calibrated K={k}")
         measured = sorted((int(m), v) for m, v in table["measured_K2"].items())
         ax.plot([m for m, _ in measured], [v for _, v in measured], "ks", markersize=8,
                 fillstyle="none", label="measured K=2")

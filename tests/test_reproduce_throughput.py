@@ -41,13 +41,19 @@ def test_throughput_writes_measured_and_predicted_rows(tmp_path: Path) -> None:
         assert row["in_situ_seconds"] > 0
         for compute, wait in zip(row["compute_per_step"], row["wait_per_step"], strict=True):
             assert compute > 0 and wait >= 0 and compute <= row["seconds"] * 1.5
+    # Calibrated on fill-drain without re-materialization, predicted for the others.
+    held_out = [r for r in rows.values() if (r["schedule"], r["checkpoint"]) != ("gpipe", "never")]
+    assert all(r["calibrated_seconds"] > 0 for r in held_out)
+    assert family["calibrated_error_median"] >= 0
     assert sum(family["balance"]) == family["layers"]
     table = family["table2"]
     assert table["measured_K2"]["1"] == pytest.approx(1.0)
     assert table["predicted"]["K=2,M=1"]["throughput"] == pytest.approx(1.0)
-    for k in (2, 4, 8):
-        for m in (1, 2):
-            entry = table["predicted"][f"K={k},M={m}"]
-            assert len(entry["balance"]) == k and entry["seconds"] > 0
+    for key in ("predicted", "predicted_calibrated"):
+        assert table[key]["K=2,M=1"]["throughput"] == pytest.approx(1.0)
+        for k in (2, 4, 8):
+            for m in (1, 2):
+                entry = table[key][f"K={k},M={m}"]
+                assert len(entry["balance"]) == k and entry["seconds"] > 0
     for name in ("throughput.png", "simulator.png"):
         assert (tmp_path / name).stat().st_size > 0
