@@ -71,9 +71,11 @@ reproduce-depth-width: install
 reproduce-memory: install
 	$(PY) scripts/reproduce_memory.py $(ARGS)
 
-# Table 2: throughput against M measured at K=2, predicted for K up to 16; simulator accuracy.
+# Table 2: throughput against M measured at K=2, predicted for K up to 16; simulator accuracy;
+# then gp.plan's choice against the best measured configuration (from the results, ~10 s).
 reproduce-throughput: install
 	$(PY) scripts/reproduce_throughput.py $(ARGS)
+	$(PY) scripts/plan_vs_measured.py
 
 clean:
 	rm -rf $(VENV) .cache out
