@@ -3,6 +3,10 @@
 A run's ``out_dir`` holds ``step-NNNNNNN/`` checkpoint folders, a ``latest`` file naming the
 newest complete one (written only after every rank's files are on disk), ``log.jsonl`` (one line
 per training step) and ``wandb_id`` (so a resumed run continues the same wandb run).
+
+Every checkpoint file is written atomically and fsynced, and the folder's ``index.json`` records
+each file's size and SHA-256 (``gpipe_core.storage``). Evaluation refuses a damaged checkpoint,
+naming the file; ``--resume`` falls back to the newest intact checkpoint and says so.
 """
 
 from __future__ import annotations
@@ -16,10 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from apps.config import ConfigError, save_config
+import gpipe_core as gp
+from apps.config import ConfigError, config_yaml
+from gpipe_core.storage import torch_load
 
 KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
 LATEST = "latest"
@@ -39,11 +42,13 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
 
     Call on one rank, after a barrier that follows every rank's writes.
     """
-    tmp = out_dir / f"{LATEST}.tmp"
-    tmp.write_text(path.name + "\n")
-    os.replace(tmp, out_dir / LATEST)
-    older = sorted(p for p in out_dir.glob("step-*") if p.is_dir() and p != path)
-    for old in older[: max(0, len(older) - (keep - 1))]:
+    gp.write_atomic(out_dir / LATEST, path.name + "\n")
+    steps = [p for p in out_dir.glob("step-*") if p.is_dir() and p != path]
+    # folders past ``path`` are left from a timeline this run abandoned (a crash mid-checkpoint,
+    # or a damaged checkpoint it resumed before): never the fallback of a later resume
+    newer = [p for p in steps if p.name > path.name]
+    older = sorted(p for p in steps if p.name < path.name)
+    for old in newer + older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -69,7 +74,8 @@ def load_train_state(checkpoint: Path, rank: int, world_size: int) -> dict[str, 
             f"--resume: {path} is missing; resume with the world size the checkpoint was "
             f"written with (this run has {world_size} ranks)"
         )
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    gp.verify_checkpoint(checkpoint, [path.name])
+    state: dict[str, Any] = torch_load(path, weights_only=False)
     return state
 
 
@@ -87,22 +93,22 @@ def write_checkpoint(
     then on rank 0 the config and ``files`` (name -> text); ``latest`` moves once all are on disk.
     """
     path = checkpoint_dir(out_dir, step)
-    pipe.save_checkpoint(path)
-    torch.save(state, train_state_path(path, rank))
+    own: dict[str, Any] = {train_state_path(path, rank).name: state}
     if rank == 0:
-        save_config(config, path / "config.yaml")
-        for name, text in files.items():
-            (path / name).write_text(text)
-    dist.barrier()
+        own["config.yaml"] = config_yaml(config)
+        own.update(files)
+    pipe.save_checkpoint(path, files=own)  # atomic files, then index.json; all ranks wait
     if rank == 0:
         publish_checkpoint(out_dir, path)
     return path
 
 
-def resolve_checkpoint(path: str | Path, *, train_command: str) -> Path:
+def resolve_checkpoint(path: str | Path, *, train_command: str, verify: bool = True) -> Path:
     """The checkpoint folder behind ``path``: a run's out_dir (via ``latest``) or a step folder.
 
-    ``train_command`` is quoted in the error when there is none (how to write one).
+    ``train_command`` is quoted in the error when there is none (how to write one). With
+    ``verify`` every file is checked against ``index.json`` (gp.CheckpointCorruptError names a
+    damaged one).
     """
     path = Path(path)
     if (path / LATEST).is_file():
@@ -112,7 +118,64 @@ def resolve_checkpoint(path: str | Path, *, train_command: str) -> Path:
             f"no checkpoint at {path} (neither {path / LATEST} nor {path / 'index.json'} "
             f"exists); train one with `{train_command}`"
         )
+    if verify:
+        gp.verify_checkpoint(path)
     return path
+
+
+# config keys only one app has, and the script that evaluates that app's checkpoints
+_APP_KEYS = {"genotype": "amoebanet", "num_heads": "nmt"}
+_APPS = {"nmt": ("an NMT", "scripts/eval_bleu.py"),
+         "amoebanet": ("an AmoebaNet", "scripts/eval_top1.py")}
+
+
+def require_app(checkpoint: Path, app: str) -> None:
+    """CheckpointError if the config saved in ``checkpoint`` is another app's ("this is an NMT
+    checkpoint: use scripts/eval_bleu.py") instead of a page of unknown-key errors."""
+    try:
+        import yaml
+
+        keys = yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}
+    except Exception:  # noqa: BLE001 - no readable config: the app's own loader will say so
+        return
+    found = {_APP_KEYS[k] for k in keys if k in _APP_KEYS} if isinstance(keys, dict) else set()
+    if len(found) == 1 and app not in found:
+        other = found.pop()
+        article, script = _APPS[other]
+        raise CheckpointError(
+            f"{checkpoint} is {article} checkpoint, not {_APPS[app][0]} one: use "
+            f"`python {script} --ckpt {checkpoint}`"
+        )
+
+
+def resume_checkpoint(out_dir: Path, *, train_command: str, verbose: bool) -> Path:
+    """The newest intact checkpoint of a run: ``latest`` if every file verifies, else the
+    newest older ``step-*`` folder that does (with a warning naming the damaged files when
+    ``verbose``). Every rank reaches the same answer from the same files.
+    """
+    latest = None
+    if (out_dir / LATEST).is_file():
+        latest = (out_dir / LATEST).read_text().strip()
+    candidates = sorted(
+        (p for p in out_dir.glob("step-*") if p.is_dir() and (latest is None or p.name <= latest)),
+        reverse=True,
+    )
+    if not candidates:  # the error that says how to train one
+        return resolve_checkpoint(out_dir, train_command=train_command)
+    problems = []
+    for candidate in candidates:
+        try:
+            gp.verify_checkpoint(candidate)
+        except (gp.CheckpointCorruptError, FileNotFoundError) as error:
+            problems.append(str(error))
+            continue
+        if problems and verbose:
+            print(f"warning: {'; '.join(problems)}; resuming from the newest intact checkpoint "
+                  f"{candidate} instead", file=sys.stderr, flush=True)
+        return candidate
+    raise gp.CheckpointCorruptError(
+        f"no intact checkpoint in {out_dir} to resume from: {'; '.join(problems)}"
+    )
 
 
 class RunLogger:
@@ -135,7 +198,7 @@ class RunLogger:
                 line for line in self.path.read_text().splitlines()
                 if line and json.loads(line).get("step", 0) <= resume_step
             ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            gp.write_atomic(self.path, "".join(line + "\n" for line in kept))
         elif self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
@@ -180,5 +243,5 @@ def wandb_run_id(out_dir: Path) -> str:
     """One wandb run id per out_dir, so a resumed run continues the same wandb run."""
     path = out_dir / "wandb_id"
     if not path.exists():
-        path.write_text(secrets.token_hex(4))
+        gp.write_atomic(path, secrets.token_hex(4))
     return path.read_text().strip()

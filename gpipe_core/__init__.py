@@ -15,6 +15,7 @@ from .partition import Balance, balance_by_memory, balance_by_params, balance_by
 from .plan import Plan, plan
 from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
 from .simulate import Simulation, simulate
+from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 
 __all__ = [
     "GPipe",
@@ -25,6 +26,9 @@ __all__ = [
     "hold_freed_memory",
     "load_checkpoint",
     "save_checkpoint",
+    "verify_checkpoint",
+    "write_atomic",
+    "CheckpointCorruptError",
     "materialize",
     "simulate",
     "Simulation",

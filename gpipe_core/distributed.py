@@ -17,7 +17,6 @@ replicas of each stage after the pipeline's backward. If any rank fails, the oth
 from __future__ import annotations
 
 import datetime
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from .partition import split_module, verify_module
 from .runtime import StageRuntime, StepState, TimelineEvent
 from .schedule import Schedule, get_schedule
 from .stage import LossFn, Stage
+from .storage import FileEntry, read_index, torch_load, verify_checkpoint, write_atomic, write_index
 from .transport import DistributedTransport, PeerError
 
 __all__ = [
@@ -519,15 +519,30 @@ class DistributedGPipe(nn.Module):
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str | Path) -> None:
+    def save_checkpoint(self, directory: str | Path, *, files: dict[str, Any] | None = None) -> None:
         """Write this stage's shard; keys are the original module's names (see load_checkpoint).
 
-        Only the first data-parallel replica writes; all ranks wait until the shards exist.
+        Collective over the world. Only the first data-parallel replica writes shards; every
+        rank also writes its own ``files`` (name -> bytes, text, or an object for torch.save).
+        Each file is written atomically; then global rank 0 writes ``index.json`` with every
+        file's size and SHA-256, and all ranks wait until it exists. A checkpoint folder with an
+        ``index.json`` is therefore complete, and loading verifies each file against it.
         """
+        directory = Path(directory)
         replica = dist.get_rank(self.data_parallel_group) if self.data_parallel_group else 0
+        entries: dict[str, FileEntry] = {}
         if replica == 0:
-            save_checkpoint(self.state_dict(), directory, shard=self.stage_index,
-                            num_shards=self.num_stages)
+            entries.update(save_checkpoint(self.state_dict(), directory, shard=self.stage_index,
+                                           num_shards=self.num_stages, index=False))
+        for name, content in (files or {}).items():
+            entries[name] = write_atomic(directory / name, content)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)
+        if dist.get_rank() == 0:
+            merged: dict[str, FileEntry] = {}
+            for part in gathered:
+                merged.update(part)
+            write_index(directory, self.num_stages, merged)
         dist.barrier()
 
     def load_checkpoint(self, directory: str | Path) -> None:
@@ -560,37 +575,51 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
+def shard_name(shard: int, num_shards: int) -> str:
+    """File name of one shard of a checkpoint."""
+    return f"shard-{shard:03d}-of-{num_shards:03d}.pt"
+
+
 def save_checkpoint(
-    state_dict: dict[str, Tensor], directory: str | Path, *, shard: int = 0, num_shards: int = 1
-) -> None:
-    """Write one shard of a checkpoint: ``shard-{i}-of-{n}.pt`` holding original-name keys."""
+    state_dict: dict[str, Tensor],
+    directory: str | Path,
+    *,
+    shard: int = 0,
+    num_shards: int = 1,
+    index: bool = True,
+) -> dict[str, FileEntry]:
+    """Write one shard of a checkpoint: ``shard-{i}-of-{n}.pt`` holding original-name keys.
+
+    The file is written atomically. With ``index`` (and a single shard) ``index.json`` records
+    its size and SHA-256; with several shards the caller gathers the returned entries
+    (``{name: {"bytes", "sha256"}}``) and writes the index (``DistributedGPipe.save_checkpoint``
+    does). Shard 0 of several writes an index listing itself only, which loads unverified
+    for the other shards.
+    """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"shard-{shard:03d}-of-{num_shards:03d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, tmp)
-    os.replace(tmp, path)
-    if shard == 0:
-        (directory / "index.json").write_text(json.dumps({"num_shards": num_shards}))
+    name = shard_name(shard, num_shards)
+    entry = write_atomic(directory / name, {k: v.detach().cpu() for k, v in state_dict.items()})
+    if index and shard == 0:
+        write_index(directory, num_shards, {name: entry})
+    return {name: entry}
 
 
 def load_checkpoint(directory: str | Path, *, keys: set[str] | None = None) -> dict[str, Tensor]:
     """Merge the shards of a checkpoint into one state dict (optionally only ``keys``).
 
     The result loads into the plain module, into ``GPipe`` and, key by key, into a
-    ``DistributedGPipe`` with any number of stages.
+    ``DistributedGPipe`` with any number of stages. Each shard is checked against the size and
+    SHA-256 in ``index.json`` first: a damaged one raises CheckpointCorruptError naming it.
     """
     directory = Path(directory)
-    index_path = directory / "index.json"
-    if not index_path.is_file():
-        raise FileNotFoundError(f"{directory} holds no checkpoint (index.json is missing)")
-    num_shards = json.loads(index_path.read_text())["num_shards"]
+    num_shards = int(read_index(directory)["num_shards"])
     merged: dict[str, Tensor] = {}
     for shard in range(num_shards):
-        path = directory / f"shard-{shard:03d}-of-{num_shards:03d}.pt"
+        path = directory / shard_name(shard, num_shards)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint shard {path} is missing")
-        part = torch.load(path, map_location="cpu", weights_only=True)
+        verify_checkpoint(directory, [path.name])
+        part = torch_load(path, weights_only=True)
         merged.update({k: v for k, v in part.items() if keys is None or k in keys})
     if keys is not None and set(keys) - set(merged):
         raise KeyError(f"checkpoint {directory} lacks {sorted(set(keys) - set(merged))[:5]}")

@@ -73,7 +73,7 @@ from apps.common import (
     checkpoint_dir,
     load_train_state,
     refuse_existing_run,
-    resolve_checkpoint,
+    resume_checkpoint,
     write_checkpoint,
 )
 from apps.config import ConfigError, load_config, parse_overrides, save_config
@@ -423,8 +423,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     resume_dir: Path | None = None
     state: dict[str, Any] = {}
     if run.resume:
-        resume_dir = resolve_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
-            out_dir=out_dir))
+        # the newest checkpoint whose files all verify (an older one, with a warning, if the
+        # newest is damaged)
+        resume_dir = resume_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
+            out_dir=out_dir), verbose=master)
         saved = load_amoebanet_config([f"--config={resume_dir / 'config.yaml'}"])
         differ = changed_keys(saved, config)
         if differ:

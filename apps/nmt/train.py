@@ -39,17 +39,18 @@ from apps.common import (
     checkpoint_dir,
     load_train_state,
     refuse_existing_run,
+    resume_checkpoint,
     write_checkpoint,
 )
 from apps.config import ConfigError, save_config
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, model_kwargs, replace
 from apps.nmt.data import Batch, TrainBatches, load_manifest, load_tokenizer
 from apps.nmt.evaluate import (
+    TRAIN_COMMAND,
     evaluate,
     format_report,
     load_model,
     mean_token_loss,
-    resolve_checkpoint,
     write_report,
 )
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
@@ -257,7 +258,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- resume: weights, optimizer, data stream, step counters ---------------------------
     step, tokens_seen, train_seconds = 0, 0, 0.0
     if config.resume:
-        resume_dir = resolve_checkpoint(out_dir)
+        # the newest checkpoint whose files all verify (an older one, with a warning, if the
+        # newest is damaged)
+        resume_dir = resume_checkpoint(out_dir, train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
+                                       verbose=master)
         saved_config = load_nmt_config([f"--config={resume_dir / 'config.yaml'}"])
         differ = model_config_differs(saved_config, config)
         if differ:
