@@ -5,8 +5,10 @@ from .cpu import bind_cpus, hold_freed_memory
 from .distributed import (
     DistributedGPipe,
     PipelineFailure,
+    collectives,
     init_process_groups,
     load_checkpoint,
+    report_failure,
     save_checkpoint,
 )
 from .gpipe import GPipe
@@ -22,6 +24,8 @@ __all__ = [
     "DistributedGPipe",
     "PipelineFailure",
     "init_process_groups",
+    "collectives",
+    "report_failure",
     "bind_cpus",
     "hold_freed_memory",
     "load_checkpoint",

@@ -16,8 +16,12 @@ replicas of each stage after the pipeline's backward. If any rank fails, the oth
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
+import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,16 +45,147 @@ from .transport import DistributedTransport, PeerError
 __all__ = [
     "DistributedGPipe",
     "PipelineFailure",
+    "collectives",
     "init_process_groups",
     "load_checkpoint",
+    "report_failure",
     "save_checkpoint",
 ]
 
 _FAILURE_KEY = "gpipe/first_failure"
+_MARK_KEY = "gpipe/mark/{rank}"  # where each rank last entered or left a `collectives` block
+_sections = itertools.count()  # blocks entered by this process, in order
+_GRACE_S = 2.0  # how long a failing rank waits for others' marks to settle before naming them
 
 
 class PipelineFailure(RuntimeError):
     """Another rank of the pipeline failed; the message names it and its error."""
+
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - the store is a best-effort side channel
+        return None
+
+
+def report_failure(exc: BaseException, *, where: str | None = None) -> None:
+    """Record ``exc`` in the c10d store as the run's first failure (if none was recorded yet).
+
+    Other ranks that then fail waiting for this one name it and its error instead of a timeout.
+    Call it from a script's top-level error handler; DistributedGPipe does for its own steps.
+    """
+    if isinstance(exc, PipelineFailure) or not dist.is_initialized():
+        return
+    store = _default_store()
+    if store is None:
+        return
+    where = where or f"rank {dist.get_rank()}"
+    try:
+        # compare_set writes only if nobody failed before us: the first failure wins.
+        store.compare_set(_FAILURE_KEY, "", f"{where}: {type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _first_failure(store: Any, wait_s: float) -> str | None:
+    try:
+        store.wait([_FAILURE_KEY], datetime.timedelta(seconds=wait_s))
+        first: str = store.get(_FAILURE_KEY).decode()
+        return first or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _set_mark(store: Any, rank: int, section: int, what: str, state: str) -> None:
+    mark = json.dumps({"section": section, "what": what, "state": state})
+    try:
+        store.set(_MARK_KEY.format(rank=rank), mark)
+    except Exception:  # noqa: BLE001 - the store is a side channel; the collective still runs
+        pass
+
+
+def _get_marks(store: Any, world: int) -> dict[int, dict[str, Any]]:
+    marks = {}
+    for rank in range(world):
+        key = _MARK_KEY.format(rank=rank)
+        try:
+            if store.check([key]):
+                marks[rank] = json.loads(store.get(key).decode())
+        except Exception:  # noqa: BLE001
+            continue
+    return marks
+
+
+@contextlib.contextmanager
+def collectives(what: str) -> Iterator[None]:
+    """A block of collectives outside ``step()`` that fails, naming the rank, instead of hanging.
+
+    Every rank of the world must enter the same blocks in the same order (a collective needs all
+    its ranks anyway). A collective waits at most the process group's timeout
+    (``init_process_groups(timeout_s=...)``, the same bound as the pipeline's); when one fails
+    (a rank stopped answering, or died), the block raises :class:`PipelineFailure` naming the
+    rank(s) that did not get there: each rank records in the c10d store which block it entered
+    and left, and the ranks still behind, or inside the block without having failed, are named.
+    A rank that raised instead is named with its error (:func:`report_failure`).
+    """
+    store = _default_store() if dist.is_initialized() else None
+    if store is None:
+        yield
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    section = next(_sections)
+    _set_mark(store, rank, section, what, "in")
+    try:
+        yield
+    except PipelineFailure:
+        raise
+    except RuntimeError as exc:  # gloo/NCCL: timed out, or connection closed by a dead peer
+        _set_mark(store, rank, section, what, "failed")
+        raise _collective_failure(store, rank, world, section, what, exc) from exc
+    _set_mark(store, rank, section, what, "done")
+
+
+def _collective_failure(store: Any, rank: int, world: int, section: int, what: str,
+                        exc: BaseException) -> PipelineFailure:
+    where = f"rank {rank} stops"
+    first = _first_failure(store, 0.5)
+    if first:
+        return PipelineFailure(f"{where}: the run failed at {first}")
+
+    def stuck(marks: dict[int, dict[str, Any]]) -> dict[int, str]:
+        found = {}
+        for other in range(world):
+            mark = marks.get(other)
+            if other == rank:
+                continue
+            if mark is None:
+                found[other] = "never entered a collective block"
+            elif mark["section"] < section:
+                found[other] = f"is still at {mark['what']!r}"
+            elif mark["section"] == section and mark["state"] == "in":
+                found[other] = "is inside it and has not finished"
+        return found
+
+    deadline = time.monotonic() + _GRACE_S  # ranks that time out a moment after us drop out
+    found = stuck(_get_marks(store, world))
+    while found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = stuck(_get_marks(store, world))
+    first = _first_failure(store, 0.1)
+    if first:
+        return PipelineFailure(f"{where}: the run failed at {first}")
+    error = " ".join(str(exc).split())[:300]
+    if not found:
+        return PipelineFailure(f"{where}: a collective in {what!r} failed ({error})")
+    names = "; ".join(f"rank {r} {why}" for r, why in found.items())
+    return PipelineFailure(
+        f"{where}: a collective in {what!r} got no answer ({names}; that rank hangs or died; "
+        f"{error})"
+    )
 
 
 def init_process_groups(
@@ -71,6 +206,13 @@ def init_process_groups(
     (:func:`~gpipe_core.bind_cpus`); ``hold_memory``: keep freed blocks mapped
     (:func:`~gpipe_core.hold_freed_memory`). Both are worth it when stages compute on the CPU.
     """
+    if not dist.is_initialized() and not all(k in os.environ for k in _TORCHRUN_ENV):
+        missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+        raise RuntimeError(
+            f"not launched by torchrun ({', '.join(missing)} unset): start one process per "
+            f"stage with `python -m torch.distributed.run --nproc-per-node {num_stages} "
+            "<script>` (or call dist.init_process_group yourself first)"
+        )
     if pin_cpus:
         bind_cpus()
     if hold_memory:
@@ -384,32 +526,12 @@ class DistributedGPipe(nn.Module):
 
     # -- failure ---------------------------------------------------------------------------
 
-    def _store(self) -> Any:
-        try:
-            return dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - the store is a best-effort side channel
-            return None
-
     def _report_failure(self, exc: BaseException) -> None:
-        store = self._store()
-        if store is None or isinstance(exc, PipelineFailure):
-            return
-        message = f"rank {dist.get_rank()} (stage {self.stage_index}): {type(exc).__name__}: {exc}"
-        try:
-            # compare_set writes only if nobody failed before us: the first failure wins.
-            store.compare_set(_FAILURE_KEY, "", message)
-        except Exception:  # noqa: BLE001
-            pass
+        report_failure(exc, where=f"rank {dist.get_rank()} (stage {self.stage_index})")
 
     def _failure(self, exc: PeerError) -> PipelineFailure:
-        store = self._store()
-        first = None
-        if store is not None:
-            try:
-                store.wait([_FAILURE_KEY], datetime.timedelta(seconds=5))
-                first = store.get(_FAILURE_KEY).decode()
-            except Exception:  # noqa: BLE001
-                first = None
+        store = _default_store()
+        first = _first_failure(store, 5) if store is not None else None
         where = f"rank {dist.get_rank()} (stage {self.stage_index})"
         if first:
             return PipelineFailure(f"{where} stops: the pipeline failed at {first}")
@@ -480,14 +602,16 @@ class DistributedGPipe(nn.Module):
         if norm_type == float("inf"):
             local = max((p.grad.abs().max() for p in params), default=torch.zeros(()))  # type: ignore[union-attr]
             total = local.to(self.device, torch.float64)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            with collectives("clip_grad_norm_"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
             local = torch.zeros((), dtype=torch.float64, device=self.device)
             for p in params:
                 if self._tied is not None and p is self._tied and not self.is_first:
                     continue  # count the tied weight once
                 local += p.grad.detach().double().norm(norm_type) ** norm_type  # type: ignore[union-attr]
-            dist.all_reduce(local, group=self.group)
+            with collectives("clip_grad_norm_"):
+                dist.all_reduce(local, group=self.group)
             total = local ** (1.0 / norm_type)
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:
@@ -510,7 +634,8 @@ class DistributedGPipe(nn.Module):
 
         events: list[Any] = [None] * self.num_stages
         local = [(e.stage, e.action, e.start, e.end) for e in self.runtime.timeline]
-        dist.all_gather_object(events, (dist.get_rank(), local), group=self.group)
+        with collectives("trace"):
+            dist.all_gather_object(events, (dist.get_rank(), local), group=self.group)
         if self.is_first:
             merged = [TimelineEvent(*e) for _, stage_events in events for e in stage_events]
             write_chrome_trace(merged, json_path)
@@ -537,13 +662,14 @@ class DistributedGPipe(nn.Module):
         for name, content in (files or {}).items():
             entries[name] = write_atomic(directory / name, content)
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, entries)
-        if dist.get_rank() == 0:
-            merged: dict[str, FileEntry] = {}
-            for part in gathered:
-                merged.update(part)
-            write_index(directory, self.num_stages, merged)
-        dist.barrier()
+        with collectives(f"save_checkpoint({directory.name})"):
+            dist.all_gather_object(gathered, entries)
+            if dist.get_rank() == 0:
+                merged: dict[str, FileEntry] = {}
+                for part in gathered:
+                    merged.update(part)
+                write_index(directory, self.num_stages, merged)
+            dist.barrier()
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load this stage's parameters from a checkpoint written with any number of stages."""
