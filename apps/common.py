@@ -12,13 +12,19 @@ naming the file; ``--resume`` falls back to the newest intact checkpoint and say
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import math
 import os
 import secrets
 import shutil
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
@@ -245,3 +251,136 @@ def wandb_run_id(out_dir: Path) -> str:
     if not path.exists():
         gp.write_atomic(path, secrets.token_hex(4))
     return path.read_text().strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures: divergence, interrupts, one clear line per error
+
+
+class DivergenceError(FloatingPointError):
+    """The training loss is not finite, or beyond the divergence bound; the message says the fix."""
+
+
+def check_loss(loss: float, *, step: int, num_classes: int, factor: float, fix: str) -> None:
+    """Stop a run whose loss diverged (the rule both apps document).
+
+    A loss that is NaN or infinite, or larger than ``factor * ln(num_classes)``: ``ln(C)`` is the
+    cross-entropy of a uniform guess over C classes (the loss of an untrained model), so a loss
+    ``factor`` (1000 by default) times larger means the weights have blown up, although the
+    number is still finite. ``factor=0`` keeps only the non-finite rule.
+    """
+    if not math.isfinite(loss):
+        raise DivergenceError(f"loss is {loss} at step {step}; {fix}")
+    bound = factor * math.log(max(num_classes, 2))
+    if factor and loss > bound:
+        raise DivergenceError(
+            f"loss {loss:.4g} at step {step} exceeds max_loss_factor={factor:g} x "
+            f"ln({num_classes}) = {bound:.4g} (a uniform guess's loss): the run diverged; {fix} "
+            "(max_loss_factor=0 turns this rule off)"
+        )
+
+
+class Interrupt:
+    """SIGINT / SIGTERM set a flag instead of killing the process, so the training loop can agree
+    with the other ranks on a step, checkpoint it and exit cleanly (``signal_name`` says which).
+
+    torchrun forwards SIGTERM to its workers and kills them 30 s later: the checkpoint must fit.
+    """
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.previous = {sig: signal.signal(sig, self._handle)
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class Interrupted(Exception):
+    """Raised after the checkpoint of an interrupted run is on disk (exit status 128 + signal)."""
+
+    def __init__(self, signal_name: str, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + int(signal.Signals[signal_name])
+
+
+CLEAR_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, CheckpointError, gp.CheckpointCorruptError, gp.PipelineFailure, DivergenceError,
+)
+
+
+def run_main(main: Callable[[], Any], *, command: str,
+             errors: tuple[type[BaseException], ...] = ()) -> None:
+    """A train script's entry point under torchrun: an error the user can fix (``CLEAR_ERRORS``
+    and ``errors``) prints one line, once for the run rather than once per rank, and exits with
+    status 1 instead of a traceback per rank; it is also recorded in the c10d store, so the
+    other ranks name it (see gp.report_failure). ``command`` is how to launch it with torchrun.
+    """
+    if not all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        print(f"error: this script runs one process per pipeline stage under torchrun: "
+              f"`{command}`", file=sys.stderr)
+        sys.exit(2)
+    try:
+        main()
+    except Interrupted as stop:
+        if str(stop):
+            print(str(stop), file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
+    except (*CLEAR_ERRORS, *errors) as error:
+        gp.report_failure(error)
+        if _first_to_say(error):
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _first_to_say(error: BaseException) -> bool:
+    """Rank 0 says its error; another rank only one that rank 0 does not say as well."""
+    rank = int(os.environ.get("RANK", "0"))
+    if isinstance(error, gp.PipelineFailure):
+        return True  # each survivor says where it stopped
+    text = f"{type(error).__name__}: {error}"
+    try:
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001
+        store = None
+    if store is None:
+        return rank == 0  # before the process group: every rank read the same config
+    try:
+        store.set(f"apps/error/{rank}", text)
+        if rank == 0:
+            return True
+        store.wait(["apps/error/0"], datetime.timedelta(seconds=2))
+        return bool(store.get("apps/error/0").decode() != text)
+    except Exception:  # noqa: BLE001 - rank 0 said nothing (or no store): say it here
+        return True
+
+
+def on_rank0(work: Callable[[], Any], *, what: str, timeout_s: float = 4 * 3600) -> None:
+    """Run ``work`` on global rank 0 while the other ranks wait for it in the c10d store.
+
+    For long one-rank jobs (preparing a corpus): a barrier would be bounded by the process
+    group's timeout, which is kept short so that a hung rank fails the run quickly. If ``work``
+    raises, the other ranks stop naming rank 0's error.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    key = f"apps/on_rank0/{what}"
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except BaseException as error:
+            store.set(key, f"{type(error).__name__}: {error}")
+            raise
+        store.set(key, "ok")
+        return
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    if store.get(key).decode() != "ok":
+        raise SystemExit(1)  # rank 0 says why (one message for the run, not one per rank)
