@@ -27,6 +27,8 @@ from apps.config import ConfigError, save_config
 from apps.nmt.config import NMTConfig
 from scripts import eval_bleu, eval_top1
 from tests.apps.test_amoebanet_train import fake_checkpoint, shards, tiny_args  # noqa: F401
+from tests.apps.test_nmt_train import corpus  # noqa: F401
+from tests.apps.test_nmt_train import tiny_args as nmt_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -251,3 +253,36 @@ def test_resume_falls_back_past_a_damaged_checkpoint(shards: Path, tmp_path: Pat
     assert "resumed from" in output and "step-0000002 at step 2" in output
     records = [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path: Path) -> None:  # noqa: F811
+    # Ctrl-C: every rank stops at the same step with a checkpoint of it
+    out_dir, log = tmp_path / "run", tmp_path / "out.txt"
+    args = nmt_args(corpus, out_dir, max_steps=10_000, max_minutes=0, log_every=1, timeout_s=4)
+    process = launch(args, log, module="apps.nmt.train")
+    wait_for(lambda: logged_steps(out_dir) >= 2, process, log, timeout_s=90)
+    process.send_signal(signal.SIGINT)
+    output = finish(process, log)
+    step = logged_steps(out_dir)
+    assert f"interrupted (SIGINT) at step {step}: checkpoint" in output, output[-3000:]
+    checkpoint = out_dir / (out_dir / "latest").read_text().strip()
+    gp.verify_checkpoint(checkpoint)
+    assert [common.load_train_state(checkpoint, r, 2)["step"] for r in (0, 1)] == [step, step]
+
+    # resumed, then rank 1 stops answering (as the issue measured: SIGSTOP at a log step)
+    log = tmp_path / "resume.txt"
+    process = launch(args + ["--resume"], log, module="apps.nmt.train")
+    wait_for(lambda: logged_steps(out_dir) >= step + 2, process, log, timeout_s=90)
+    pids = worker_pids(process.pid)
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_for(lambda: "error: rank 0" in log.read_text(), process, log, timeout_s=30)
+        waited = time.monotonic() - stopped
+    finally:
+        os.kill(pids[1], signal.SIGKILL)
+    output = finish(process, log)
+    line = next(line for line in output.splitlines() if line.startswith("error: rank 0"))
+    assert "rank 1" in line and waited < 4 + 10, (waited, output[-3000:])
