@@ -289,12 +289,26 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self.reason = "a signal on another rank"  # what stopped the run, said by rank 0
+        self.parent = os.getppid()
         self.previous = {sig: signal.signal(sig, self._handle)
                          for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
+            self.reason = self.signal_name
+            if os.getppid() != self.parent:  # gp.init_process_groups' watch of torchrun
+                self.reason = f"{self.signal_name}: this rank's torchrun agent died (lost node?)"
+
+    def stop(self, *, step: int, checkpoint: Path, master: bool) -> Interrupted:
+        """The exception to raise once the checkpoint of ``step`` is on disk; rank 0 (and a rank
+        whose agent died) says why it stopped and how to continue."""
+        message = ""
+        if master or os.getppid() != self.parent:
+            message = (f"interrupted ({self.reason}) at step {step}: checkpoint {checkpoint}; "
+                       "continue with --resume")
+        return Interrupted(self.signal_name or "SIGTERM", message)
 
     @property
     def requested(self) -> bool:

@@ -21,6 +21,8 @@ import datetime
 import itertools
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -72,6 +74,31 @@ def _default_store() -> Any:
         return None
 
 
+def _watch_launcher(poll_s: float = 1.0) -> None:
+    """Under torchrun, send this worker SIGTERM when its agent dies (a lost node).
+
+    A worker whose agent was killed would otherwise run on as an orphan, and the agent of the
+    other node would count the job a success. A daemon thread polls the parent's pid; SIGTERM
+    lets a training loop checkpoint and stop (see apps.common.Interrupt), and its peers see the
+    stop too.
+    """
+    global _launcher_watched
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher_watched:
+        return
+    _launcher_watched = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gpipe-launcher-watch", daemon=True).start()
+
+
+_launcher_watched = False
+
+
 def report_failure(exc: BaseException, *, where: str | None = None) -> None:
     """Record ``exc`` in the c10d store as the run's first failure (if none was recorded yet).
 
@@ -101,11 +128,17 @@ def _first_failure(store: Any, wait_s: float) -> str | None:
 
 
 def _set_mark(store: Any, rank: int, section: int, what: str, state: str) -> None:
+    global _marks_off
+    if _marks_off:
+        return
     mark = json.dumps({"section": section, "what": what, "state": state})
     try:
         store.set(_MARK_KEY.format(rank=rank), mark)
     except Exception:  # noqa: BLE001 - the store is a side channel; the collective still runs
-        pass
+        _marks_off = True  # its host is gone (a lost node): stop asking, and warning, each time
+
+
+_marks_off = False
 
 
 def _get_marks(store: Any, world: int) -> dict[int, dict[str, Any]]:
@@ -213,6 +246,7 @@ def init_process_groups(
             f"stage with `python -m torch.distributed.run --nproc-per-node {num_stages} "
             "<script>` (or call dist.init_process_group yourself first)"
         )
+    _watch_launcher()
     if pin_cpus:
         bind_cpus()
     if hold_memory:

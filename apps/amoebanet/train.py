@@ -70,7 +70,6 @@ from apps.amoebanet.data import (
 )
 from apps.common import (
     Interrupt,
-    Interrupted,
     RunLogger,
     check_loss,
     checkpoint_dir,
@@ -598,11 +597,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
                 bar.close()
                 logger.close()
-                raise Interrupted(
-                    interrupt.signal_name or "SIGTERM",
-                    f"interrupted ({interrupt.signal_name or 'a signal on another rank'}) at "
-                    f"step {step}: checkpoint {path}; continue with --resume" if master else "",
-                )
+                raise interrupt.stop(step=step, checkpoint=path, master=master)
             if not flags[1]:
                 stop_reason = stop_reason or "stopped by rank 0"
                 break

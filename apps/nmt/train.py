@@ -36,7 +36,6 @@ from torch import Tensor
 import gpipe_core as gp
 from apps.common import (
     Interrupt,
-    Interrupted,
     RunLogger,
     check_loss,
     checkpoint_dir,
@@ -352,11 +351,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         if stop[1]:
             path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
             logger.close()
-            raise Interrupted(
-                interrupt.signal_name or "SIGTERM",
-                f"interrupted ({interrupt.signal_name or 'a signal on another rank'}) at step "
-                f"{step}: checkpoint {path}; continue with --resume" if master else "",
-            )
+            raise interrupt.stop(step=step, checkpoint=path, master=master)
         if stop[0]:
             break
 

@@ -286,3 +286,49 @@ def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path:
     output = finish(process, log)
     line = next(line for line in output.splitlines() if line.startswith("error: rank 0"))
     assert "rank 1" in line and waited < 4 + 10, (waited, output[-3000:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Two nodes: two torchrun agents on 127.0.0.1, one process each
+
+
+def launch_node(args: list[str], log: Path, port: int) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
+               "-m", "apps.amoebanet.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_lost_node_stops_the_other_with_a_checkpoint(shards: Path, tmp_path: Path) -> None:  # noqa: F811
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out_dir = tmp_path / "run"
+    args = long_run(shards, out_dir, timeout_s=10)
+    logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
+    first = launch_node(args, logs[0], port)  # hosts the rendezvous store
+    time.sleep(1.0)
+    second = launch_node(args, logs[1], port)
+    try:
+        wait_for(lambda: logged_steps(out_dir) >= 3, first, logs[0], timeout_s=90)
+        second.kill()  # the agent of the node without the store dies; its worker is orphaned
+        begin = time.monotonic()
+        first.wait(60)
+        waited = time.monotonic() - begin
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                process.kill()
+    outputs = [log.read_text() for log in logs]
+    assert first.returncode != 0  # not a success: a node was lost
+    assert waited < 30, waited
+    step = logged_steps(out_dir)
+    assert f"interrupted (a signal on another rank) at step {step}" in outputs[0], outputs[0]
+    assert "this rank's torchrun agent died (lost node?)" in outputs[1], outputs[1][-3000:]
+    checkpoint = out_dir / (out_dir / "latest").read_text().strip()
+    assert checkpoint.name == f"step-{step:07d}"
+    gp.verify_checkpoint(checkpoint)
