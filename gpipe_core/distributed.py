@@ -162,7 +162,8 @@ def collectives(what: str) -> Iterator[None]:
     (``init_process_groups(timeout_s=...)``, the same bound as the pipeline's); when one fails
     (a rank stopped answering, or died), the block raises :class:`PipelineFailure` naming the
     rank(s) that did not get there: each rank records in the c10d store which block it entered
-    and left, and the ranks still behind, or inside the block without having failed, are named.
+    (and that it failed there), and the ranks still behind, or inside the block without having
+    failed within a short grace, are named.
     A rank that raised instead is named with its error (:func:`report_failure`).
     """
     store = _default_store() if dist.is_initialized() else None
@@ -179,7 +180,8 @@ def collectives(what: str) -> Iterator[None]:
     except RuntimeError as exc:  # gloo/NCCL: timed out, or connection closed by a dead peer
         _set_mark(store, rank, section, what, "failed")
         raise _collective_failure(store, rank, world, section, what, exc) from exc
-    _set_mark(store, rank, section, what, "done")
+    # no mark on the way out (one store round trip per block is enough): a rank that left this
+    # block and hangs before the next one is found behind by whoever waits in the next one
 
 
 def _collective_failure(store: Any, rank: int, world: int, section: int, what: str,
@@ -200,7 +202,7 @@ def _collective_failure(store: Any, rank: int, world: int, section: int, what: s
             elif mark["section"] < section:
                 found[other] = f"is still at {mark['what']!r}"
             elif mark["section"] == section and mark["state"] == "in":
-                found[other] = "is inside it and has not finished"
+                found[other] = "is inside it and has not failed"
         return found
 
     deadline = time.monotonic() + _GRACE_S  # ranks that time out a moment after us drop out
