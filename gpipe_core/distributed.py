@@ -119,8 +119,14 @@ def report_failure(exc: BaseException, *, where: str | None = None) -> None:
 
 
 def _first_failure(store: Any, wait_s: float) -> str | None:
+    """The first failure recorded in the store, waiting up to ``wait_s`` for one."""
+    # polls with check(): store.wait() would print a warning from c10d when it times out
+    deadline = time.monotonic() + wait_s
     try:
-        store.wait([_FAILURE_KEY], datetime.timedelta(seconds=wait_s))
+        while not store.check([_FAILURE_KEY]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
         first: str = store.get(_FAILURE_KEY).decode()
         return first or None
     except Exception:  # noqa: BLE001
