@@ -59,6 +59,7 @@ from apps.amoebanet.config import (
 )
 from apps.amoebanet.data import (
     Batch,
+    CorruptShardError,
     DatasetNotFoundError,
     build_eval_loader,
     build_mixup,
@@ -718,4 +719,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
 if __name__ == "__main__":
     run_main(main, command=TRAIN_COMMAND.format(out_dir="runs/amoebanet"),
-             errors=(DatasetNotFoundError,))
+             errors=(DatasetNotFoundError, CorruptShardError))
