@@ -347,13 +347,26 @@ def run_main(main: Callable[[], Any], *, command: str,
         main()
     except Interrupted as stop:
         if str(stop):
+            _close_progress_bars()
             print(str(stop), file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
     except (*CLEAR_ERRORS, *errors) as error:
         gp.report_failure(error)
         if _first_to_say(error):
+            _close_progress_bars()
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _close_progress_bars() -> None:
+    """End tqdm's open bars, so that a message starts on a line of its own."""
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", [])):
+            bar.close()
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
 
 
 def _first_to_say(error: BaseException) -> bool:
