@@ -29,6 +29,7 @@ from scripts import eval_bleu, eval_top1
 from tests.apps.test_amoebanet_train import fake_checkpoint, shards, tiny_args  # noqa: F401
 from tests.apps.test_nmt_train import corpus  # noqa: F401
 from tests.apps.test_nmt_train import tiny_args as nmt_args
+from tests.distributed import launch as launch_helpers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -332,3 +333,24 @@ def test_a_lost_node_stops_the_other_with_a_checkpoint(shards: Path, tmp_path: P
     checkpoint = out_dir / (out_dir / "latest").read_text().strip()
     assert checkpoint.name == f"step-{step:07d}"
     gp.verify_checkpoint(checkpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_train_exactly_as_one(shards: Path, tmp_path: Path) -> None:  # noqa: F811
+    def args(out_dir: Path) -> list[str]:
+        return tiny_args(shards, out_dir, balance="5,4", epochs=1) + ["--max_steps=3"]
+
+    launch_helpers.torchrun("apps.amoebanet.train", args(tmp_path / "one"), nproc=2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
+    nodes = [launch_node(args(tmp_path / "two"), log, port) for log in logs]
+    for node, log in zip(nodes, logs, strict=True):
+        output = finish(node, log, timeout_s=120)
+        assert node.returncode == 0, output[-3000:]
+    one, two = (gp.load_checkpoint(tmp_path / name / "step-0000003") for name in ("one", "two"))
+    assert one.keys() == two.keys()
+    assert all(torch.equal(one[key], two[key]) for key in one)
+    assert (tmp_path / "one" / "log.jsonl").read_text() == (tmp_path / "two" / "log.jsonl").read_text()
