@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 _FAILURE_KEY = "gpipe/first_failure"
-_MARK_KEY = "gpipe/mark/{rank}"  # where each rank last entered or left a `collectives` block
+_MARK_KEY = "gpipe/mark/{rank}"  # the `collectives` block each rank last entered (or failed in)
 _sections = itertools.count()  # blocks entered by this process, in order
 _GRACE_S = 2.0  # how long a failing rank waits for others' marks to settle before naming them
 
