@@ -183,11 +183,23 @@ def collectives(what: str) -> Iterator[None]:
         yield
     except PipelineFailure:
         raise
-    except RuntimeError as exc:  # gloo/NCCL: timed out, or connection closed by a dead peer
+    except RuntimeError as exc:
+        if not _is_communication_error(exc):
+            raise  # a bug in the block, not a peer: its own error and traceback
         _set_mark(store, rank, section, what, "failed")
         raise _collective_failure(store, rank, world, section, what, exc) from exc
     # no mark on the way out (one store round trip per block is enough): a rank that left this
     # block and hangs before the next one is found behind by whoever waits in the next one
+
+
+_COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "connection", "socket", "peer")
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """Whether a collective failed for want of a peer (gloo raises plain RuntimeErrors: timed
+    out, connection reset or closed), as opposed to an error in the caller's own code."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(word in text for word in _COMMUNICATION_WORDS)
 
 
 def _collective_failure(store: Any, rank: int, world: int, section: int, what: str,

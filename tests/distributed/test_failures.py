@@ -103,3 +103,16 @@ def test_every_rank_file_is_in_one_verified_index(tmp_path: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-001-of-002\.pt is damaged"):
         gp.load_checkpoint(directory)
+
+
+def run_own_error(rank: int, world: int) -> Any:
+    try:
+        with gp.collectives("my own code"):
+            raise RuntimeError("shape mismatch in my own code")
+    except RuntimeError as error:
+        return type(error).__name__, str(error)
+
+
+def test_an_error_in_the_block_itself_is_not_blamed_on_a_peer(tmp_path: Path) -> None:
+    results = spawn(run_own_error, 2, tmp_path, pg_timeout_s=PG_TIMEOUT_S, timeout_s=60)
+    assert results == [("RuntimeError", "shape mismatch in my own code")] * 2
