@@ -3,23 +3,32 @@
 A run's ``out_dir`` holds ``step-NNNNNNN/`` checkpoint folders, a ``latest`` file naming the
 newest complete one (written only after every rank's files are on disk), ``log.jsonl`` (one line
 per training step) and ``wandb_id`` (so a resumed run continues the same wandb run).
+
+Every checkpoint file is written atomically and fsynced, and the folder's ``index.json`` records
+each file's size and SHA-256 (``gpipe_core.storage``). Evaluation refuses a damaged checkpoint,
+naming the file; ``--resume`` falls back to the newest intact checkpoint and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import math
 import os
 import secrets
 import shutil
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from apps.config import ConfigError, save_config
+import gpipe_core as gp
+from apps.config import ConfigError, config_yaml
+from gpipe_core.storage import torch_load
 
 KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
 LATEST = "latest"
@@ -39,11 +48,13 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
 
     Call on one rank, after a barrier that follows every rank's writes.
     """
-    tmp = out_dir / f"{LATEST}.tmp"
-    tmp.write_text(path.name + "\n")
-    os.replace(tmp, out_dir / LATEST)
-    older = sorted(p for p in out_dir.glob("step-*") if p.is_dir() and p != path)
-    for old in older[: max(0, len(older) - (keep - 1))]:
+    gp.write_atomic(out_dir / LATEST, path.name + "\n")
+    steps = [p for p in out_dir.glob("step-*") if p.is_dir() and p != path]
+    # folders past ``path`` are left from a timeline this run abandoned (a crash mid-checkpoint,
+    # or a damaged checkpoint it resumed before): never the fallback of a later resume
+    newer = [p for p in steps if p.name > path.name]
+    older = sorted(p for p in steps if p.name < path.name)
+    for old in newer + older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -69,7 +80,8 @@ def load_train_state(checkpoint: Path, rank: int, world_size: int) -> dict[str, 
             f"--resume: {path} is missing; resume with the world size the checkpoint was "
             f"written with (this run has {world_size} ranks)"
         )
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    gp.verify_checkpoint(checkpoint, [path.name])
+    state: dict[str, Any] = torch_load(path, weights_only=False)
     return state
 
 
@@ -87,22 +99,22 @@ def write_checkpoint(
     then on rank 0 the config and ``files`` (name -> text); ``latest`` moves once all are on disk.
     """
     path = checkpoint_dir(out_dir, step)
-    pipe.save_checkpoint(path)
-    torch.save(state, train_state_path(path, rank))
+    own: dict[str, Any] = {train_state_path(path, rank).name: state}
     if rank == 0:
-        save_config(config, path / "config.yaml")
-        for name, text in files.items():
-            (path / name).write_text(text)
-    dist.barrier()
+        own["config.yaml"] = config_yaml(config)
+        own.update(files)
+    pipe.save_checkpoint(path, files=own)  # atomic files, then index.json; all ranks wait
     if rank == 0:
         publish_checkpoint(out_dir, path)
     return path
 
 
-def resolve_checkpoint(path: str | Path, *, train_command: str) -> Path:
+def resolve_checkpoint(path: str | Path, *, train_command: str, verify: bool = True) -> Path:
     """The checkpoint folder behind ``path``: a run's out_dir (via ``latest``) or a step folder.
 
-    ``train_command`` is quoted in the error when there is none (how to write one).
+    ``train_command`` is quoted in the error when there is none (how to write one). With
+    ``verify`` every file is checked against ``index.json`` (gp.CheckpointCorruptError names a
+    damaged one).
     """
     path = Path(path)
     if (path / LATEST).is_file():
@@ -112,7 +124,64 @@ def resolve_checkpoint(path: str | Path, *, train_command: str) -> Path:
             f"no checkpoint at {path} (neither {path / LATEST} nor {path / 'index.json'} "
             f"exists); train one with `{train_command}`"
         )
+    if verify:
+        gp.verify_checkpoint(path)
     return path
+
+
+# config keys only one app has, and the script that evaluates that app's checkpoints
+_APP_KEYS = {"genotype": "amoebanet", "num_heads": "nmt"}
+_APPS = {"nmt": ("an NMT", "scripts/eval_bleu.py"),
+         "amoebanet": ("an AmoebaNet", "scripts/eval_top1.py")}
+
+
+def require_app(checkpoint: Path, app: str) -> None:
+    """CheckpointError if the config saved in ``checkpoint`` is another app's ("this is an NMT
+    checkpoint: use scripts/eval_bleu.py") instead of a page of unknown-key errors."""
+    try:
+        import yaml
+
+        keys = yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}
+    except Exception:  # noqa: BLE001 - no readable config: the app's own loader will say so
+        return
+    found = {_APP_KEYS[k] for k in keys if k in _APP_KEYS} if isinstance(keys, dict) else set()
+    if len(found) == 1 and app not in found:
+        other = found.pop()
+        article, script = _APPS[other]
+        raise CheckpointError(
+            f"{checkpoint} is {article} checkpoint, not {_APPS[app][0]} one: use "
+            f"`python {script} --ckpt {checkpoint}`"
+        )
+
+
+def resume_checkpoint(out_dir: Path, *, train_command: str, verbose: bool) -> Path:
+    """The newest intact checkpoint of a run: ``latest`` if every file verifies, else the
+    newest older ``step-*`` folder that does (with a warning naming the damaged files when
+    ``verbose``). Every rank reaches the same answer from the same files.
+    """
+    latest = None
+    if (out_dir / LATEST).is_file():
+        latest = (out_dir / LATEST).read_text().strip()
+    candidates = sorted(
+        (p for p in out_dir.glob("step-*") if p.is_dir() and (latest is None or p.name <= latest)),
+        reverse=True,
+    )
+    if not candidates:  # the error that says how to train one
+        return resolve_checkpoint(out_dir, train_command=train_command)
+    problems = []
+    for candidate in candidates:
+        try:
+            gp.verify_checkpoint(candidate)
+        except (gp.CheckpointCorruptError, FileNotFoundError) as error:
+            problems.append(str(error))
+            continue
+        if problems and verbose:
+            print(f"warning: {'; '.join(problems)}; resuming from the newest intact checkpoint "
+                  f"{candidate} instead", file=sys.stderr, flush=True)
+        return candidate
+    raise gp.CheckpointCorruptError(
+        f"no intact checkpoint in {out_dir} to resume from: {'; '.join(problems)}"
+    )
 
 
 class RunLogger:
@@ -135,7 +204,7 @@ class RunLogger:
                 line for line in self.path.read_text().splitlines()
                 if line and json.loads(line).get("step", 0) <= resume_step
             ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            gp.write_atomic(self.path, "".join(line + "\n" for line in kept))
         elif self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
@@ -180,5 +249,165 @@ def wandb_run_id(out_dir: Path) -> str:
     """One wandb run id per out_dir, so a resumed run continues the same wandb run."""
     path = out_dir / "wandb_id"
     if not path.exists():
-        path.write_text(secrets.token_hex(4))
+        gp.write_atomic(path, secrets.token_hex(4))
     return path.read_text().strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures: divergence, interrupts, one clear line per error
+
+
+class DivergenceError(FloatingPointError):
+    """The training loss is not finite, or beyond the divergence bound; the message says the fix."""
+
+
+def check_loss(loss: float, *, step: int, num_classes: int, factor: float, fix: str) -> None:
+    """Stop a run whose loss diverged (the rule both apps document).
+
+    A loss that is NaN or infinite, or larger than ``factor * ln(num_classes)``: ``ln(C)`` is the
+    cross-entropy of a uniform guess over C classes (the loss of an untrained model), so a loss
+    ``factor`` (1000 by default) times larger means the weights have blown up, although the
+    number is still finite. ``factor=0`` keeps only the non-finite rule.
+    """
+    if not math.isfinite(loss):
+        raise DivergenceError(f"loss is {loss} at step {step}; {fix}")
+    bound = factor * math.log(max(num_classes, 2))
+    if factor and loss > bound:
+        raise DivergenceError(
+            f"loss {loss:.4g} at step {step} exceeds max_loss_factor={factor:g} x "
+            f"ln({num_classes}) = {bound:.4g} (a uniform guess's loss): the run diverged; {fix} "
+            "(max_loss_factor=0 turns this rule off)"
+        )
+
+
+class Interrupt:
+    """SIGINT / SIGTERM set a flag instead of killing the process, so the training loop can agree
+    with the other ranks on a step, checkpoint it and exit cleanly (``signal_name`` says which).
+
+    torchrun forwards SIGTERM to its workers and kills them 30 s later: the checkpoint must fit.
+    """
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.reason = "a signal on another rank"  # what stopped the run, said by rank 0
+        self.parent = os.getppid()
+        self.previous = {sig: signal.signal(sig, self._handle)
+                         for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self.reason = self.signal_name
+            if os.getppid() != self.parent:  # gp.init_process_groups' watch of torchrun
+                self.reason = f"{self.signal_name}: this rank's torchrun agent died (lost node?)"
+
+    def stop(self, *, step: int, checkpoint: Path, master: bool) -> Interrupted:
+        """The exception to raise once the checkpoint of ``step`` is on disk; rank 0 (and a rank
+        whose agent died) says why it stopped and how to continue."""
+        message = ""
+        if master or os.getppid() != self.parent:
+            message = (f"interrupted ({self.reason}) at step {step}: checkpoint {checkpoint}; "
+                       "continue with --resume")
+        return Interrupted(self.signal_name or "SIGTERM", message)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class Interrupted(Exception):
+    """Raised after the checkpoint of an interrupted run is on disk (exit status 128 + signal)."""
+
+    def __init__(self, signal_name: str, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + int(signal.Signals[signal_name])
+
+
+CLEAR_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, CheckpointError, gp.CheckpointCorruptError, gp.PipelineFailure, DivergenceError,
+)
+
+
+def run_main(main: Callable[[], Any], *, command: str,
+             errors: tuple[type[BaseException], ...] = ()) -> None:
+    """A train script's entry point under torchrun: an error the user can fix (``CLEAR_ERRORS``
+    and ``errors``) prints one line, once for the run rather than once per rank, and exits with
+    status 1 instead of a traceback per rank; it is also recorded in the c10d store, so the
+    other ranks name it (see gp.report_failure). ``command`` is how to launch it with torchrun.
+    """
+    if not all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        print(f"error: this script runs one process per pipeline stage under torchrun: "
+              f"`{command}`", file=sys.stderr)
+        sys.exit(2)
+    try:
+        main()
+    except Interrupted as stop:
+        if str(stop):
+            _close_progress_bars()
+            print(str(stop), file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
+    except (*CLEAR_ERRORS, *errors) as error:
+        gp.report_failure(error)
+        if _first_to_say(error):
+            _close_progress_bars()
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _close_progress_bars() -> None:
+    """End tqdm's open bars, so that a message starts on a line of its own."""
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", [])):
+            bar.close()
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
+
+
+def _first_to_say(error: BaseException) -> bool:
+    """Rank 0 says its error; another rank only one that rank 0 does not say as well."""
+    rank = int(os.environ.get("RANK", "0"))
+    if isinstance(error, gp.PipelineFailure):
+        return True  # each survivor says where it stopped
+    text = f"{type(error).__name__}: {error}"
+    try:
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001
+        store = None
+    if store is None:
+        return rank == 0  # before the process group: every rank read the same config
+    try:
+        store.set(f"apps/error/{rank}", text)
+        if rank == 0:
+            return True
+        store.wait(["apps/error/0"], datetime.timedelta(seconds=2))
+        return bool(store.get("apps/error/0").decode() != text)
+    except Exception:  # noqa: BLE001 - rank 0 said nothing (or no store): say it here
+        return True
+
+
+def on_rank0(work: Callable[[], Any], *, what: str, timeout_s: float = 4 * 3600) -> None:
+    """Run ``work`` on global rank 0 while the other ranks wait for it in the c10d store.
+
+    For long one-rank jobs (preparing a corpus): a barrier would be bounded by the process
+    group's timeout, which is kept short so that a hung rank fails the run quickly. If ``work``
+    raises, the other ranks stop naming rank 0's error.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    key = f"apps/on_rank0/{what}"
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except BaseException as error:
+            store.set(key, f"{type(error).__name__}: {error}")
+            raise
+        store.set(key, "ok")
+        return
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    if store.get(key).decode() != "ok":
+        raise SystemExit(1)  # rank 0 says why (one message for the run, not one per rank)

@@ -114,13 +114,24 @@ def load_config(cls: type[C], argv: Sequence[str] = (), yaml_path: str | Path | 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            detail = " ".join(str(exc).split())
+            raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of key: value, got {type(data).__name__}")
         config = _apply(config, data, str(path))
     return _apply(config, overrides, "command-line overrides")
 
 
+def config_yaml(config: Any) -> str:
+    """The resolved config as YAML text (loadable again with ``--config=path``)."""
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
+
+
 def save_config(config: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML (loadable again with ``--config=path``)."""
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    """Write the resolved config as YAML, atomically (loadable again with ``--config=path``)."""
+    from gpipe_core.storage import write_atomic
+
+    write_atomic(path, config_yaml(config))

@@ -5,8 +5,10 @@ from .cpu import bind_cpus, hold_freed_memory
 from .distributed import (
     DistributedGPipe,
     PipelineFailure,
+    collectives,
     init_process_groups,
     load_checkpoint,
+    report_failure,
     save_checkpoint,
 )
 from .gpipe import GPipe
@@ -15,16 +17,22 @@ from .partition import Balance, balance_by_memory, balance_by_params, balance_by
 from .plan import Plan, plan
 from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
 from .simulate import Simulation, simulate
+from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 
 __all__ = [
     "GPipe",
     "DistributedGPipe",
     "PipelineFailure",
     "init_process_groups",
+    "collectives",
+    "report_failure",
     "bind_cpus",
     "hold_freed_memory",
     "load_checkpoint",
     "save_checkpoint",
+    "verify_checkpoint",
+    "write_atomic",
+    "CheckpointCorruptError",
     "materialize",
     "simulate",
     "Simulation",

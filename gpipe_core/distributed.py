@@ -16,9 +16,14 @@ replicas of each stage after the pipeline's backward. If any rank fails, the oth
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
 import json
 import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,21 +41,204 @@ from .partition import split_module, verify_module
 from .runtime import StageRuntime, StepState, TimelineEvent
 from .schedule import Schedule, get_schedule
 from .stage import LossFn, Stage
+from .storage import FileEntry, read_index, torch_load, verify_checkpoint, write_atomic, write_index
 from .transport import DistributedTransport, PeerError
 
 __all__ = [
     "DistributedGPipe",
     "PipelineFailure",
+    "collectives",
     "init_process_groups",
     "load_checkpoint",
+    "report_failure",
     "save_checkpoint",
 ]
 
 _FAILURE_KEY = "gpipe/first_failure"
+_MARK_KEY = "gpipe/mark/{rank}"  # the `collectives` block each rank last entered (or failed in)
+_sections = itertools.count()  # blocks entered by this process, in order
+_GRACE_S = 2.0  # how long a failing rank waits for others' marks to settle before naming them
 
 
 class PipelineFailure(RuntimeError):
     """Another rank of the pipeline failed; the message names it and its error."""
+
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - the store is a best-effort side channel
+        return None
+
+
+def _watch_launcher(poll_s: float = 1.0) -> None:
+    """Under torchrun, send this worker SIGTERM when its agent dies (a lost node).
+
+    A worker whose agent was killed would otherwise run on as an orphan, and the agent of the
+    other node would count the job a success. A daemon thread polls the parent's pid; SIGTERM
+    lets a training loop checkpoint and stop (see apps.common.Interrupt), and its peers see the
+    stop too.
+    """
+    global _launcher_watched
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher_watched:
+        return
+    _launcher_watched = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gpipe-launcher-watch", daemon=True).start()
+
+
+_launcher_watched = False
+
+
+def report_failure(exc: BaseException, *, where: str | None = None) -> None:
+    """Record ``exc`` in the c10d store as the run's first failure (if none was recorded yet).
+
+    Other ranks that then fail waiting for this one name it and its error instead of a timeout.
+    Call it from a script's top-level error handler; DistributedGPipe does for its own steps.
+    """
+    if isinstance(exc, PipelineFailure) or not dist.is_initialized():
+        return
+    store = _default_store()
+    if store is None:
+        return
+    where = where or f"rank {dist.get_rank()}"
+    try:
+        # compare_set writes only if nobody failed before us: the first failure wins.
+        store.compare_set(_FAILURE_KEY, "", f"{where}: {type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _first_failure(store: Any, wait_s: float) -> str | None:
+    """The first failure recorded in the store, waiting up to ``wait_s`` for one."""
+    # polls with check(): store.wait() would print a warning from c10d when it times out
+    deadline = time.monotonic() + wait_s
+    try:
+        while not store.check([_FAILURE_KEY]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        first: str = store.get(_FAILURE_KEY).decode()
+        return first or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _set_mark(store: Any, rank: int, section: int, what: str, state: str) -> None:
+    global _marks_off
+    if _marks_off:
+        return
+    mark = json.dumps({"section": section, "what": what, "state": state})
+    try:
+        store.set(_MARK_KEY.format(rank=rank), mark)
+    except Exception:  # noqa: BLE001 - the store is a side channel; the collective still runs
+        _marks_off = True  # its host is gone (a lost node): stop asking, and warning, each time
+
+
+_marks_off = False
+
+
+def _get_marks(store: Any, world: int) -> dict[int, dict[str, Any]]:
+    marks = {}
+    for rank in range(world):
+        key = _MARK_KEY.format(rank=rank)
+        try:
+            if store.check([key]):
+                marks[rank] = json.loads(store.get(key).decode())
+        except Exception:  # noqa: BLE001
+            continue
+    return marks
+
+
+@contextlib.contextmanager
+def collectives(what: str) -> Iterator[None]:
+    """A block of collectives outside ``step()`` that fails, naming the rank, instead of hanging.
+
+    Every rank of the world must enter the same blocks in the same order (a collective needs all
+    its ranks anyway). A collective waits at most the process group's timeout
+    (``init_process_groups(timeout_s=...)``, the same bound as the pipeline's); when one fails
+    (a rank stopped answering, or died), the block raises :class:`PipelineFailure` naming the
+    rank(s) that did not get there: each rank records in the c10d store which block it entered
+    (and that it failed there), and the ranks still behind, or inside the block without having
+    failed within a short grace, are named.
+    A rank that raised instead is named with its error (:func:`report_failure`).
+    """
+    store = _default_store() if dist.is_initialized() else None
+    if store is None:
+        yield
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    section = next(_sections)
+    _set_mark(store, rank, section, what, "in")
+    try:
+        yield
+    except PipelineFailure:
+        raise
+    except RuntimeError as exc:
+        if not _is_communication_error(exc):
+            raise  # a bug in the block, not a peer: its own error and traceback
+        _set_mark(store, rank, section, what, "failed")
+        raise _collective_failure(store, rank, world, section, what, exc) from exc
+    # no mark on the way out (one store round trip per block is enough): a rank that left this
+    # block and hangs before the next one is found behind by whoever waits in the next one
+
+
+_COMMUNICATION_WORDS = ("gloo", "nccl", "timed out", "connection", "socket", "peer")
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    """Whether a collective failed for want of a peer (gloo raises plain RuntimeErrors: timed
+    out, connection reset or closed), as opposed to an error in the caller's own code."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(word in text for word in _COMMUNICATION_WORDS)
+
+
+def _collective_failure(store: Any, rank: int, world: int, section: int, what: str,
+                        exc: BaseException) -> PipelineFailure:
+    where = f"rank {rank} stops"
+    first = _first_failure(store, 0.5)
+    if first:
+        return PipelineFailure(f"{where}: the run failed at {first}")
+
+    def stuck(marks: dict[int, dict[str, Any]]) -> dict[int, str]:
+        found = {}
+        for other in range(world):
+            mark = marks.get(other)
+            if other == rank:
+                continue
+            if mark is None:
+                found[other] = "never entered a collective block"
+            elif mark["section"] < section:
+                found[other] = f"is still at {mark['what']!r}"
+            elif mark["section"] == section and mark["state"] == "in":
+                found[other] = "is inside it and has not failed"
+        return found
+
+    deadline = time.monotonic() + _GRACE_S  # ranks that time out a moment after us drop out
+    found = stuck(_get_marks(store, world))
+    while found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = stuck(_get_marks(store, world))
+    first = _first_failure(store, 0.1)
+    if first:
+        return PipelineFailure(f"{where}: the run failed at {first}")
+    error = " ".join(str(exc).split())[:300]
+    if not found:
+        return PipelineFailure(f"{where}: a collective in {what!r} failed ({error})")
+    names = "; ".join(f"rank {r} {why}" for r, why in found.items())
+    return PipelineFailure(
+        f"{where}: a collective in {what!r} got no answer ({names}; that rank hangs or died; "
+        f"{error})"
+    )
 
 
 def init_process_groups(
@@ -71,6 +259,14 @@ def init_process_groups(
     (:func:`~gpipe_core.bind_cpus`); ``hold_memory``: keep freed blocks mapped
     (:func:`~gpipe_core.hold_freed_memory`). Both are worth it when stages compute on the CPU.
     """
+    if not dist.is_initialized() and not all(k in os.environ for k in _TORCHRUN_ENV):
+        missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+        raise RuntimeError(
+            f"not launched by torchrun ({', '.join(missing)} unset): start one process per "
+            f"stage with `python -m torch.distributed.run --nproc-per-node {num_stages} "
+            "<script>` (or call dist.init_process_group yourself first)"
+        )
+    _watch_launcher()
     if pin_cpus:
         bind_cpus()
     if hold_memory:
@@ -384,32 +580,12 @@ class DistributedGPipe(nn.Module):
 
     # -- failure ---------------------------------------------------------------------------
 
-    def _store(self) -> Any:
-        try:
-            return dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - the store is a best-effort side channel
-            return None
-
     def _report_failure(self, exc: BaseException) -> None:
-        store = self._store()
-        if store is None or isinstance(exc, PipelineFailure):
-            return
-        message = f"rank {dist.get_rank()} (stage {self.stage_index}): {type(exc).__name__}: {exc}"
-        try:
-            # compare_set writes only if nobody failed before us: the first failure wins.
-            store.compare_set(_FAILURE_KEY, "", message)
-        except Exception:  # noqa: BLE001
-            pass
+        report_failure(exc, where=f"rank {dist.get_rank()} (stage {self.stage_index})")
 
     def _failure(self, exc: PeerError) -> PipelineFailure:
-        store = self._store()
-        first = None
-        if store is not None:
-            try:
-                store.wait([_FAILURE_KEY], datetime.timedelta(seconds=5))
-                first = store.get(_FAILURE_KEY).decode()
-            except Exception:  # noqa: BLE001
-                first = None
+        store = _default_store()
+        first = _first_failure(store, 5) if store is not None else None
         where = f"rank {dist.get_rank()} (stage {self.stage_index})"
         if first:
             return PipelineFailure(f"{where} stops: the pipeline failed at {first}")
@@ -480,14 +656,16 @@ class DistributedGPipe(nn.Module):
         if norm_type == float("inf"):
             local = max((p.grad.abs().max() for p in params), default=torch.zeros(()))  # type: ignore[union-attr]
             total = local.to(self.device, torch.float64)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            with collectives("clip_grad_norm_"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
             local = torch.zeros((), dtype=torch.float64, device=self.device)
             for p in params:
                 if self._tied is not None and p is self._tied and not self.is_first:
                     continue  # count the tied weight once
                 local += p.grad.detach().double().norm(norm_type) ** norm_type  # type: ignore[union-attr]
-            dist.all_reduce(local, group=self.group)
+            with collectives("clip_grad_norm_"):
+                dist.all_reduce(local, group=self.group)
             total = local ** (1.0 / norm_type)
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1.0:
@@ -510,7 +688,8 @@ class DistributedGPipe(nn.Module):
 
         events: list[Any] = [None] * self.num_stages
         local = [(e.stage, e.action, e.start, e.end) for e in self.runtime.timeline]
-        dist.all_gather_object(events, (dist.get_rank(), local), group=self.group)
+        with collectives("trace"):
+            dist.all_gather_object(events, (dist.get_rank(), local), group=self.group)
         if self.is_first:
             merged = [TimelineEvent(*e) for _, stage_events in events for e in stage_events]
             write_chrome_trace(merged, json_path)
@@ -519,16 +698,32 @@ class DistributedGPipe(nn.Module):
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str | Path) -> None:
+    def save_checkpoint(self, directory: str | Path, *, files: dict[str, Any] | None = None) -> None:
         """Write this stage's shard; keys are the original module's names (see load_checkpoint).
 
-        Only the first data-parallel replica writes; all ranks wait until the shards exist.
+        Collective over the world. Only the first data-parallel replica writes shards; every
+        rank also writes its own ``files`` (name -> bytes, text, or an object for torch.save).
+        Each file is written atomically; then global rank 0 writes ``index.json`` with every
+        file's size and SHA-256, and all ranks wait until it exists. A checkpoint folder with an
+        ``index.json`` is therefore complete, and loading verifies each file against it.
         """
+        directory = Path(directory)
         replica = dist.get_rank(self.data_parallel_group) if self.data_parallel_group else 0
+        entries: dict[str, FileEntry] = {}
         if replica == 0:
-            save_checkpoint(self.state_dict(), directory, shard=self.stage_index,
-                            num_shards=self.num_stages)
-        dist.barrier()
+            entries.update(save_checkpoint(self.state_dict(), directory, shard=self.stage_index,
+                                           num_shards=self.num_stages, index=False))
+        for name, content in (files or {}).items():
+            entries[name] = write_atomic(directory / name, content)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        with collectives(f"save_checkpoint({directory.name})"):
+            dist.all_gather_object(gathered, entries)
+            if dist.get_rank() == 0:
+                merged: dict[str, FileEntry] = {}
+                for part in gathered:
+                    merged.update(part)
+                write_index(directory, self.num_stages, merged)
+            dist.barrier()
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load this stage's parameters from a checkpoint written with any number of stages."""
@@ -560,37 +755,51 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
+def shard_name(shard: int, num_shards: int) -> str:
+    """File name of one shard of a checkpoint."""
+    return f"shard-{shard:03d}-of-{num_shards:03d}.pt"
+
+
 def save_checkpoint(
-    state_dict: dict[str, Tensor], directory: str | Path, *, shard: int = 0, num_shards: int = 1
-) -> None:
-    """Write one shard of a checkpoint: ``shard-{i}-of-{n}.pt`` holding original-name keys."""
+    state_dict: dict[str, Tensor],
+    directory: str | Path,
+    *,
+    shard: int = 0,
+    num_shards: int = 1,
+    index: bool = True,
+) -> dict[str, FileEntry]:
+    """Write one shard of a checkpoint: ``shard-{i}-of-{n}.pt`` holding original-name keys.
+
+    The file is written atomically. With ``index`` (and a single shard) ``index.json`` records
+    its size and SHA-256; with several shards the caller gathers the returned entries
+    (``{name: {"bytes", "sha256"}}``) and writes the index (``DistributedGPipe.save_checkpoint``
+    does). Shard 0 of several writes an index listing itself only, which loads unverified
+    for the other shards.
+    """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"shard-{shard:03d}-of-{num_shards:03d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, tmp)
-    os.replace(tmp, path)
-    if shard == 0:
-        (directory / "index.json").write_text(json.dumps({"num_shards": num_shards}))
+    name = shard_name(shard, num_shards)
+    entry = write_atomic(directory / name, {k: v.detach().cpu() for k, v in state_dict.items()})
+    if index and shard == 0:
+        write_index(directory, num_shards, {name: entry})
+    return {name: entry}
 
 
 def load_checkpoint(directory: str | Path, *, keys: set[str] | None = None) -> dict[str, Tensor]:
     """Merge the shards of a checkpoint into one state dict (optionally only ``keys``).
 
     The result loads into the plain module, into ``GPipe`` and, key by key, into a
-    ``DistributedGPipe`` with any number of stages.
+    ``DistributedGPipe`` with any number of stages. Each shard is checked against the size and
+    SHA-256 in ``index.json`` first: a damaged one raises CheckpointCorruptError naming it.
     """
     directory = Path(directory)
-    index_path = directory / "index.json"
-    if not index_path.is_file():
-        raise FileNotFoundError(f"{directory} holds no checkpoint (index.json is missing)")
-    num_shards = json.loads(index_path.read_text())["num_shards"]
+    num_shards = int(read_index(directory)["num_shards"])
     merged: dict[str, Tensor] = {}
     for shard in range(num_shards):
-        path = directory / f"shard-{shard:03d}-of-{num_shards:03d}.pt"
+        path = directory / shard_name(shard, num_shards)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint shard {path} is missing")
-        part = torch.load(path, map_location="cpu", weights_only=True)
+        verify_checkpoint(directory, [path.name])
+        part = torch_load(path, weights_only=True)
         merged.update({k: v for k, v in part.items() if keys is None or k in keys})
     if keys is not None and set(keys) - set(merged):
         raise KeyError(f"checkpoint {directory} lacks {sorted(set(keys) - set(merged))[:5]}")

@@ -95,7 +95,13 @@ def scatter(batch: Batch, chunks: int) -> list[Batch]:
     if chunks < 1:
         raise ValueError(f"chunks={chunks} must be at least 1")
     leaves, spec = flatten(batch)
-    num_microbatches = min(chunks, batch_size(batch))
+    size = batch_size(batch)
+    if size == 0:
+        raise ValueError(
+            "the batch is empty (size 0 along dim 0); give at least one sample (a data loader "
+            "that ran dry, or a filter that dropped every row?)"
+        )
+    num_microbatches = min(chunks, size)
     pieces = [
         x.tensor_split(num_microbatches) if _is_batched(x) else [x] * num_microbatches
         for x in leaves

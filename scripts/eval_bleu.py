@@ -26,6 +26,8 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import gpipe_core as gp  # noqa: E402
+from apps.common import require_app  # noqa: E402
 from apps.config import ConfigError  # noqa: E402
 from apps.nmt.config import load_nmt_config  # noqa: E402
 from apps.nmt.data import CorpusError, load_manifest, load_tokenizer  # noqa: E402
@@ -69,6 +71,7 @@ def evaluate_checkpoint(
     ``<out>.json`` and ``<out>.png``.
     """
     path = resolve_checkpoint(ckpt)
+    require_app(path, "nmt")
     config_path = path / "config.yaml"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.yaml; was it written by apps.nmt.train?")
@@ -184,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out=out,
             device=args.device,
         )
-    except (CheckpointError, CorpusError, ConfigError, TokenizerMismatch) as error:
+    except (CheckpointError, gp.CheckpointCorruptError, CorpusError, ConfigError,
+            TokenizerMismatch) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_report(report))

@@ -34,7 +34,7 @@ from apps.amoebanet.train import (  # noqa: E402
     class_names,
     write_report,
 )
-from apps.common import CheckpointError, resolve_checkpoint  # noqa: E402
+from apps.common import CheckpointError, require_app, resolve_checkpoint  # noqa: E402
 from apps.config import ConfigError  # noqa: E402
 
 
@@ -61,10 +61,12 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Score the checkpoint under ``ckpt`` on ``split``; write ``<out>.json`` and ``<out>.png``.
 
-    Raises CheckpointError (no checkpoint: says how to train one), DatasetNotFoundError (says
+    Raises CheckpointError (no checkpoint: says how to train one; another app's checkpoint),
+    gp.CheckpointCorruptError (a file does not match index.json), DatasetNotFoundError (says
     which command builds the data) or ConfigError (an unknown or invalid ``--key=value``).
     """
     checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
+    require_app(checkpoint, "amoebanet")
     config = load_checkpoint_config(checkpoint, overrides)
     shard_infos(config, split)  # a missing dataset or split fails here, naming the command
     model = load_model(config, checkpoint, torch.device(device))
@@ -98,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = evaluate_checkpoint(args.ckpt, split=args.split, overrides=overrides,
                                      out=args.out, device=args.device)
-    except (CheckpointError, DatasetNotFoundError, ConfigError) as error:
+    except (CheckpointError, gp.CheckpointCorruptError, DatasetNotFoundError,
+            ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"{report['checkpoint']}: {args.split} top-1 {100 * report['top1']:.2f}%  top-5 "

@@ -6,7 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
+import gpipe_core as gp
 from gpipe_core.microbatch import batch_size, gather, scatter
 
 
@@ -74,3 +76,11 @@ def test_scatter_gather_round_trip(n: int, chunks: int, width: int, as_dict: boo
         assert back["rest"][1] == 7
     else:
         assert torch.equal(back[0], x) and torch.equal(back[1][0], y) and back[1][1] is None
+
+
+def test_an_empty_batch_is_an_error_that_says_so() -> None:
+    with pytest.raises(ValueError, match=r"the batch is empty \(size 0 along dim 0\)"):
+        scatter(torch.zeros(0, 3), 4)
+    pipe = gp.GPipe(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)), [1, 1], chunks=2)
+    with pytest.raises(ValueError, match="the batch is empty"):
+        pipe(torch.zeros(0, 3))

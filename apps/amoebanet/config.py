@@ -61,6 +61,7 @@ class AmoebaNetConfig:
     schedule: str = "gpipe"  # "gpipe" (fill-drain), "1f1b" or "1f1b_slack1"
     checkpoint: str = "except_last"  # re-materialization: "always" | "except_last" | "never"
     balance: tuple[int, ...] | None = None  # layers per stage; None = by measured time (by parameters above 50M)
+    timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named
 
     # --- optimisation --------------------------------------------------------------------------
     optimizer: str = "adamw"  # timm create_optimizer_v2 name: "rmsproptf" (AmoebaNet), "sgd", ...
@@ -76,6 +77,7 @@ class AmoebaNetConfig:
     decay_epochs: float = 2.4  # "step" scheduler: epochs between decays (exponential decay)
     decay_rate: float = 0.97  # "step" scheduler: factor per decay
     epochs: int = 6  # full passes over the training split (length of the lr schedule)
+    max_loss_factor: float = 1000.0  # stop as diverged when the loss exceeds this many times ln(num_classes), a uniform guess's loss (0 = never)
     max_minutes: float = 30.0  # wall-clock budget (0 = none); when spent, stop and evaluate
     seed: int = 0  # seeds data order, augmentation and initialisation
 
@@ -83,6 +85,7 @@ class AmoebaNetConfig:
     out_dir: str = "runs/amoebanet"  # checkpoints, resolved config, logs
     log_every: int = 20  # steps between log lines / wandb points
     eval_every_epochs: int = 1  # evaluate on eval_split every this many epochs
+    ckpt_every: int = 0  # steps between checkpoints besides those at epoch ends (0 = epoch ends only)
     wandb_mode: str = "offline"  # "offline" | "online" (needs WANDB_API_KEY) | "disabled"
     wandb_project: str = "gpipe-amoebanet"  # wandb project name
 
@@ -109,6 +112,16 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
             f"mean={config.mean} and std={config.std} need one value per channel "
             f"(in_chans={config.in_chans})"
         )
+    positive = ("num_normal_cells", "filters", "num_classes", "in_chans", "image_size",
+                "stem_stride", "batch_size", "eval_batch_size", "num_stages", "chunks", "epochs",
+                "log_every", "timeout_s")
+    for key in positive:
+        if getattr(config, key) <= 0:
+            raise ConfigError(f"{key}={getattr(config, key)} must be positive")
+    for key in ("num_workers", "eval_every_epochs", "ckpt_every", "max_minutes",
+                "max_loss_factor"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
     if (config.mixup > 0 or config.cutmix > 0) and config.batch_size % 2:
         raise ConfigError(f"mixup/cutmix need an even batch_size, got {config.batch_size}")
     if config.batch_size % config.chunks and config.num_stages > 1:

@@ -332,8 +332,23 @@ def check_shard_sizes(shards: list[ShardInfo], handler: ShardErrorHandler) -> li
                 f"corrupt shard {shard.url}: {size} bytes on disk, {shard.num_bytes} when "
                 f"written (truncated or overwritten); {_fix_hint()}"))
             continue
+        if shard.num_bytes is None and not _ends_like_a_tar(shard.url, size):
+            # no dataset.json to compare with: a cut tar would read as a shorter one, silently
+            handler(CorruptShardError(
+                f"corrupt shard {shard.url}: {size} bytes, not ending in a tar archive's "
+                f"end-of-archive blocks (truncated?); {_fix_hint()}"))
+            continue
         kept.append(shard)
     return kept
+
+
+def _ends_like_a_tar(path: str, size: int) -> bool:
+    """A complete tar is whole 512-byte blocks ending in (at least) two zero blocks."""
+    if size < 1024 or size % 512:
+        return False
+    with open(path, "rb") as file:
+        file.seek(size - 1024)
+        return file.read(1024) == bytes(1024)
 
 
 class CountSamplesPerShard:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
 import sys
 import tarfile
@@ -60,6 +59,8 @@ from apps.amoebanet.config import (
 )
 from apps.amoebanet.data import (
     Batch,
+    CorruptShardError,
+    DatasetNotFoundError,
     build_eval_loader,
     build_mixup,
     build_train_loader,
@@ -69,11 +70,15 @@ from apps.amoebanet.data import (
     shard_infos,
 )
 from apps.common import (
+    Interrupt,
     RunLogger,
+    check_loss,
     checkpoint_dir,
     load_train_state,
+    on_rank0,
     refuse_existing_run,
-    resolve_checkpoint,
+    resume_checkpoint,
+    run_main,
     write_checkpoint,
 )
 from apps.config import ConfigError, load_config, parse_overrides, save_config
@@ -88,7 +93,8 @@ PROFILE_MAX_PARAMETERS = 50_000_000
 # Config keys a resumed run may change: they touch neither the model nor the training stream.
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
-    "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards",
+    "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
+    "ckpt_every", "max_loss_factor",
 })
 
 
@@ -229,7 +235,8 @@ def choose_balance(
                              device=device)
         result[0] = list(gp.balance_by_time(plain, sample, config.num_stages))
         del plain
-    dist.broadcast_object_list(result, src=0)
+    with gp.collectives("choosing the balance"):
+        dist.broadcast_object_list(result, src=0)
     return list(result[0])
 
 
@@ -389,9 +396,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     check_dataset(config)
     torch.set_num_threads(1)  # one thread per rank: the stages are the parallelism on CPU
     use_cuda = torch.cuda.is_available()
-    # generous: rank 0 may prepare the data while the others wait at a barrier
+    # every collective fails within timeout_s (naming the rank that hangs); the one long wait,
+    # for rank 0 to prepare the data, is on the store instead (on_rank0)
     pipeline_group, data_group = gp.init_process_groups(
-        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=1800
+        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=config.timeout_s
     )
     rank, world_size = dist.get_rank(), dist.get_world_size()
     num_replicas = world_size // config.num_stages
@@ -404,9 +412,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     say = print if master else (lambda *args, **kwargs: None)
 
     # --- data: Fashion-MNIST prepared once by rank 0; the others wait ---------------------
-    if master:
-        prepare_fashion_mnist(config)
-    dist.barrier()
+    on_rank0(lambda: prepare_fashion_mnist(config), what="preparing Fashion-MNIST")
     check_dataset(config)
     classes = class_names(config)
     train_images = split_images(config, config.train_split)
@@ -423,8 +429,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     resume_dir: Path | None = None
     state: dict[str, Any] = {}
     if run.resume:
-        resume_dir = resolve_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
-            out_dir=out_dir))
+        # the newest checkpoint whose files all verify (an older one, with a warning, if the
+        # newest is damaged)
+        resume_dir = resume_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
+            out_dir=out_dir), verbose=master)
         saved = load_amoebanet_config([f"--config={resume_dir / 'config.yaml'}"])
         differ = changed_keys(saved, config)
         if differ:
@@ -459,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         device=device,
         seed=config.seed,
         deferred_batch_norm=True,  # per-micro-batch statistics, mini-batch running statistics
-        timeout_s=300,
+        timeout_s=config.timeout_s,
     )
     del model
 
@@ -496,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         say(f"resumed from {resume_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
-    dist.barrier()
+    with gp.collectives("start of training"):
+        dist.barrier()
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, out_dir / "config.yaml")
@@ -532,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     def run_eval(split: str) -> dict[str, Any]:
         nonlocal eval_seconds_per_image
         begin = time.monotonic()
-        metrics = evaluate_pipeline(pipe, config, comm, split, autocast)
+        with gp.collectives(f"evaluation on {split} at step {step}"):
+            metrics = evaluate_pipeline(pipe, config, comm, split, autocast)
         eval_seconds_per_image = (time.monotonic() - begin) / max(metrics.images, 1)
         return metrics.report(classes, split=split)
 
@@ -557,7 +567,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     stop_reason = ""
     batch_shape = (config.batch_size, config.num_classes) if soft_targets else (config.batch_size,)
     target_like = torch.empty(batch_shape, dtype=torch.float32 if soft_targets else torch.int64)
+    # from here SIGINT / SIGTERM checkpoint at a step all ranks agree on, then exit
+    interrupt = Interrupt()
     while epoch < config.epochs and not stop_reason:
+        epoch_first_step = step
         batches = None
         if pipe.is_first:
             batches = train_batches(config, epoch, skip=batch_in_epoch, replica=replica,
@@ -575,10 +588,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                     if step > 0 and left < final_eval_reserve(run_images_per_second):
                         stop_reason = f"max_minutes={config.max_minutes:g}"
                 keep_going = not stop_reason
-            # the epoch ends for everyone as soon as one replica's shards run dry
-            flags = torch.tensor([int(batch is not None or not pipe.is_first), int(keep_going)],
-                                 device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            # the epoch ends for everyone as soon as one replica's shards run dry; a signal on
+            # any rank stops every rank at this step, with a checkpoint
+            flags = torch.tensor([int(batch is not None or not pipe.is_first), int(keep_going),
+                                  int(not interrupt.requested)], device=device)
+            with gp.collectives(f"stop decision before step {step + 1}"):
+                dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            if not flags[2]:
+                path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
+                bar.close()
+                logger.close()
+                raise interrupt.stop(step=step, checkpoint=path, master=master)
             if not flags[1]:
                 stop_reason = stop_reason or "stopped by rank 0"
                 break
@@ -591,13 +611,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             lr = optimizer.param_groups[0]["lr"]
 
             # forward + backward through the pipeline; the targets travel first -> last stage
-            targets = comm.send_targets(batch[1] if batch is not None else None, target_like)
+            with gp.collectives(f"targets of step {step + 1}"):
+                targets = comm.send_targets(batch[1] if batch is not None else None, target_like)
             optimizer.zero_grad(set_to_none=True)
             with autocast:
                 loss = pipe.step(batch[0] if batch is not None else None,
                                  targets if pipe.is_last else None)
             if num_replicas > 1:
-                dist.all_reduce(loss, group=data_group)
+                with gp.collectives(f"loss of step {step + 1}"):
+                    dist.all_reduce(loss, group=data_group)
                 loss /= num_replicas
             optimizer.step()
             step += 1
@@ -608,11 +630,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
             # log: every step to log.jsonl; every log_every steps the bar and wandb
             loss_value = float(loss)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(
-                    f"loss is {loss_value} at step {step}; lower lr={config.lr} or raise "
-                    f"warmup_epochs={config.warmup_epochs}"
-                )
+            # divergence: a non-finite loss, or one beyond max_loss_factor x ln(num_classes)
+            check_loss(loss_value, step=step, num_classes=config.num_classes,
+                       factor=config.max_loss_factor,
+                       fix=f"lower lr={config.lr} or raise warmup_epochs={config.warmup_epochs}")
             window_loss += loss_value
             window_steps += 1
             logger.step({"step": step, "epoch": epoch, "loss": loss_value, "lr": lr})
@@ -632,11 +653,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                                 epoch=f"{step / updates_per_epoch:.2f}", refresh=False)
                 window_loss, window_steps, window_start = 0.0, 0, time.monotonic()
 
+            # checkpoint every ckpt_every steps as well as at epoch ends
+            if config.ckpt_every and step % config.ckpt_every == 0:
+                save(step)
+                last_saved = step
+
         # end of an epoch: checkpoint, and evaluate every eval_every_epochs (not after the last:
         # the final evaluation follows the loop)
-        if batch_in_epoch == 0 and not stop_reason and step != last_saved:
-            save(step)
-            last_saved = step
+        if batch_in_epoch == 0 and not stop_reason and step != epoch_first_step:
+            if step != last_saved:
+                save(step)
+                last_saved = step
             due = config.eval_every_epochs and epoch % config.eval_every_epochs == 0
             if due and epoch < config.epochs:
                 report = run_eval(config.eval_split)
@@ -684,10 +711,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             f"{100 * report['top5']:.2f}%  ({report['images']:,} images; "
             f"total wall time {summary['total_minutes']} min)")
     logger.close()
-    dist.barrier()
+    on_rank0(lambda: None, what="the end of the run")  # the others wait for rank 0's report
+    interrupt.restore()
     dist.destroy_process_group()
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, command=TRAIN_COMMAND.format(out_dir="runs/amoebanet"),
+             errors=(DatasetNotFoundError, CorruptShardError))

@@ -98,6 +98,8 @@ class NMTConfig:
     bf16: bool = True  # bf16 autocast on GPU (ignored on CPU)
     num_threads: int = 1  # torch CPU threads per rank (2 stages x 1 thread = 2 cores)
     resume: bool = False  # continue from the last checkpoint in out_dir
+    timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named
+    max_loss_factor: float = 1000.0  # stop as diverged when the loss exceeds this many times ln(vocab_size), a uniform guess's loss (0 = never)
 
     # --- logging and checkpoints ---
     out_dir: str = "runs/nmt"  # checkpoints, resolved config, logs
@@ -123,14 +125,15 @@ class NMTConfig:
         positive = (
             "num_layers ffn_dim num_heads head_dim d_model vocab_size max_positions max_tokens "
             "max_len num_stages chunks max_steps log_every beam_size max_decode_len num_threads "
-            "eval_max_sentences"
+            "eval_max_sentences timeout_s"
         ).split()
         for name in positive:
             value = getattr(self, name)
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
         non_negative = (
-            "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every max_train_tokens"
+            "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every max_train_tokens "
+            "max_loss_factor"
         )
         for name in non_negative.split():
             value = getattr(self, name)

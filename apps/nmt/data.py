@@ -195,6 +195,9 @@ def _check_languages(
     return list(dict.fromkeys(languages))
 
 
+_SAMPLE_KEYS = {"lang.txt", "src.npy", "src_len.npy", "tgt.npy", "tgt_len.npy"}
+
+
 def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[str, _Language]:
     import webdataset as wds
 
@@ -210,13 +213,30 @@ def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[s
     # Every process reads the whole split (under torchrun too: each rank draws the same batches
     # from it by seed), so no node or worker splitting; webdataset's default node splitter
     # raises as soon as torch.distributed is initialised with more than one rank.
-    dataset = wds.WebDataset(
-        urls, shardshuffle=False, empty_check=False, nodesplitter=None, workersplitter=None
-    ).decode()
-    for sample in dataset:
-        lang = sample["lang.txt"]
-        if lang in wanted:
-            blocks[lang].append(sample)
+    rebuild = f"rebuild the corpus with `{_prepare_command(cache_dir)} --force`"
+    pairs = 0
+    for url in urls:  # one shard at a time, so that a damaged one is named
+        dataset = wds.WebDataset(
+            [url], shardshuffle=False, empty_check=False, nodesplitter=None, workersplitter=None
+        ).decode()
+        try:
+            for sample in dataset:
+                missing_keys = _SAMPLE_KEYS - set(sample)
+                if missing_keys:  # a tar cut short ends in a partial sample
+                    raise KeyError(f"sample {sample.get('__key__')} lacks {sorted(missing_keys)}")
+                pairs += len(sample["src_len.npy"])
+                lang = sample["lang.txt"]
+                if lang in wanted:
+                    blocks[lang].append(sample)
+        except Exception as error:  # noqa: BLE001 - tarfile, decoding and key errors alike
+            detail = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+            raise CorpusError(f"corpus shard {url} is damaged ({detail}); {rebuild}") from None
+    expected = manifest["splits"][split].get("pairs")
+    if expected is not None and pairs != expected:
+        raise CorpusError(
+            f"the {split} shards of {cache_dir} hold {pairs} pairs but manifest.json records "
+            f"{expected}: a shard is truncated; {rebuild}"
+        )
     result = {}
     for lang in languages:
         parts = sorted(blocks[lang], key=lambda sample: sample["__key__"])

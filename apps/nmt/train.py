@@ -35,21 +35,26 @@ from torch import Tensor
 
 import gpipe_core as gp
 from apps.common import (
+    Interrupt,
     RunLogger,
+    check_loss,
     checkpoint_dir,
     load_train_state,
+    on_rank0,
     refuse_existing_run,
+    resume_checkpoint,
+    run_main,
     write_checkpoint,
 )
 from apps.config import ConfigError, save_config
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, model_kwargs, replace
-from apps.nmt.data import Batch, TrainBatches, load_manifest, load_tokenizer
+from apps.nmt.data import Batch, CorpusError, TrainBatches, load_manifest, load_tokenizer
 from apps.nmt.evaluate import (
+    TRAIN_COMMAND,
     evaluate,
     format_report,
     load_model,
     mean_token_loss,
-    resolve_checkpoint,
     write_report,
 )
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
@@ -157,7 +162,8 @@ def step_stats(pipe: gp.DistributedGPipe, num_stages: int, device: torch.device)
         (v for k, v in local.items() if k.endswith("clipped_fraction")), default=0.0
     )
     values = values.to(device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    with gp.collectives("activation statistics"):
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
     stats = {f"stage{i}_max_abs_activation": float(values[i]) for i in range(num_stages)}
     stats["max_abs_logit"] = float(values[num_stages])
     stats["clipped_fraction"] = float(values[num_stages + 1])
@@ -185,9 +191,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     config = load_nmt_config(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(config.num_threads)
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    # generous: rank 0 may prepare the corpus or evaluate while the others wait at a barrier
+    # every collective fails within timeout_s (naming the rank that hangs); the one long wait,
+    # for rank 0 to prepare the corpus, is on the store instead (on_rank0)
     pipeline_group, data_group = gp.init_process_groups(
-        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=3600
+        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=config.timeout_s
     )
     rank, world_size = dist.get_rank(), dist.get_world_size()
     num_replicas = world_size // config.num_stages
@@ -198,9 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     say = print if master else (lambda *args, **kwargs: None)
 
     # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------
-    if master:
-        prepare_corpus(config)
-    dist.barrier()
+    on_rank0(lambda: prepare_corpus(config), what="preparing the corpus")
     tokenizer = load_tokenizer(config.data_dir)
     manifest = load_manifest(config.data_dir)
     if tokenizer.vocab_size != config.vocab_size:
@@ -239,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         data_parallel_group=data_group if num_replicas > 1 else None,
         device=device,
         seed=config.seed,
-        timeout_s=300,
+        timeout_s=config.timeout_s,
     )
     optimizer = make_optimizer(config, list(pipe.parameters()))
     autocast = (
@@ -257,7 +262,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- resume: weights, optimizer, data stream, step counters ---------------------------
     step, tokens_seen, train_seconds = 0, 0, 0.0
     if config.resume:
-        resume_dir = resolve_checkpoint(out_dir)
+        # the newest checkpoint whose files all verify (an older one, with a warning, if the
+        # newest is damaged)
+        resume_dir = resume_checkpoint(out_dir, train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
+                                       verbose=master)
         saved_config = load_nmt_config([f"--config={resume_dir / 'config.yaml'}"])
         differ = model_config_differs(saved_config, config)
         if differ:
@@ -274,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         say(f"resumed from {resume_dir} at step {step}")
     else:
         refuse_existing_run(out_dir)
-    dist.barrier()
+    with gp.collectives("start of training"):
+        dist.barrier()
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, out_dir / "config.yaml")
@@ -322,10 +331,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()
     loop_start = time.monotonic() - train_seconds
     last_saved = step if config.resume else -1
-    stop = torch.zeros(1, dtype=torch.int64, device=device)  # NCCL broadcasts device tensors
+    # from here SIGINT / SIGTERM checkpoint at a step all ranks agree on, then exit
+    interrupt = Interrupt()
+    stop = torch.zeros(2, dtype=torch.int64, device=device)  # NCCL reduces device tensors
     stopped_by = None
     while True:
-        # stop: at the step or token budget, or (a safety) at max_minutes; rank 0 decides
+        # stop: at the step or token budget, or (a safety) at max_minutes, as rank 0 decides;
+        # or at a signal on any rank (all ranks stop at the same step)
         if master:
             stopped_by = budget_reached(config, step, tokens_seen)
             if stopped_by is None and config.max_minutes and (
@@ -333,8 +345,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             ):
                 stopped_by = "max_minutes"
             stop[0] = int(stopped_by is not None)
-        dist.broadcast(stop, src=0)
-        if stop.item():
+        stop[1] = int(interrupt.requested)
+        with gp.collectives(f"stop decision before step {step + 1}"):
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop[1]:
+            path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
+            logger.close()
+            raise interrupt.stop(step=step, checkpoint=path, master=master)
+        if stop[0]:
             break
 
         # learning rate: a pure function of the step, so resuming needs no scheduler state
@@ -358,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 normalizer=loss_normalizer(target_tokens, num_replicas),
             )
         if num_replicas > 1:
-            dist.all_reduce(loss, group=data_group)
+            with gp.collectives(f"loss of step {step + 1}"):
+                dist.all_reduce(loss, group=data_group)
         grad_norm = pipe.clip_grad_norm_(config.clip_norm) if config.clip_norm > 0 else None
         optimizer.step()
         step += 1
@@ -375,10 +394,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         record.update(stats)
         record["clip_engaged"] = bool(config.clip_logits and stats["clipped_fraction"] > 0)
         logger.step(record)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(
-                f"loss is {loss_value} at step {step}; lower lr={config.lr} or raise warmup_steps"
-            )
+        # divergence: a non-finite loss, or one beyond max_loss_factor x ln(vocab_size)
+        check_loss(loss_value, step=step, num_classes=config.vocab_size,
+                   factor=config.max_loss_factor,
+                   fix=f"lower lr={config.lr} or raise warmup_steps")
         window_loss += loss_value
         window_steps += 1
         window_tokens += sum(s + t for s, t in counts)
@@ -411,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             path = save(step)
             last_saved = step
         if due_eval and step < config.max_steps:  # the final evaluation follows the loop
-            report = run_eval(path, config.eval_max_sentences)
+            with gp.collectives(f"dev evaluation at step {step}"):
+                report = run_eval(path, config.eval_max_sentences)
             if report is not None:
                 lines = format_report(report, examples=0).splitlines()
                 bar.write(f"step {step} dev BLEU:\n" + "\n".join(lines[1:5]))
@@ -432,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
         f"checkpoint {path}"
     )
-    report = run_eval(path, config.eval_max_sentences)
+    with gp.collectives("final dev evaluation"):
+        report = run_eval(path, config.eval_max_sentences)
     summary = None
     if master:
         assert report is not None
@@ -459,10 +480,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         logger.metrics({f"dev/final_bleu_{b}": v["bleu"] for b, v in report["buckets"].items()},
                        step)
     logger.close()
-    dist.barrier()
+    # the others wait while rank 0 scores the dev loss: on the store, not bounded by timeout_s
+    on_rank0(lambda: None, what="the end of the run")
+    interrupt.restore()
     dist.destroy_process_group()
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, command=f"{TRAIN_COMMAND} [--key=value ...]", errors=(CorpusError,))

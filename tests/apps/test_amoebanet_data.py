@@ -310,3 +310,18 @@ def test_idx_parser_reads_and_rejects(tmp_path: Path) -> None:
     path.write_bytes(gzip.compress(header + images.tobytes()[:-3]))
     with pytest.raises(ValueError, match="truncated"):
         read_idx(path, IDX_IMAGES_MAGIC)
+
+
+def test_truncated_shard_without_dataset_json_is_named(shard_dir: Path) -> None:
+    # no sizes or counts to compare with: a tar cut between two members reads as a shorter
+    # archive without any error (the shard would lose its last samples silently)
+    (shard_dir / "dataset.json").unlink()
+    complete = sum(len(labels) for _, labels in build_eval_loader(config_for(shard_dir)))
+    assert complete == SIZES["test"]
+    path = shard_dir / "test-000001.tar"
+    with tarfile.open(path) as tar:
+        cut = tar.getmembers()[6].offset  # after three whole samples (.png + .cls each)
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(CorruptShardError, match=r"test-000001.tar: \d+ bytes, not ending in a "
+                       "tar archive's end-of-archive blocks"):
+        list(build_eval_loader(config_for(shard_dir)))

@@ -505,3 +505,15 @@ def test_missing_tokenizer_is_an_error(corpus: Path, tmp_path: Path) -> None:
 def test_max_tokens_below_max_len_is_an_error(corpus: Path) -> None:
     with pytest.raises(ValueError, match="max_tokens=32 is smaller than max_len=64"):
         TrainBatches(corpus, max_tokens=32, max_len=64)
+
+
+def test_a_truncated_shard_is_named_with_the_prepare_command(corpus: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "corpus"
+    shutil.copytree(corpus, damaged)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    shard = damaged / manifest["splits"]["train"]["shards"][0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    with pytest.raises(CorpusError, match=rf"corpus shard {shard} is damaged .*; rebuild the "
+                       rf"corpus with `python -m data.gettext_m2en.prepare --out {damaged} "
+                       "--force`"):
+        TrainBatches(damaged, max_tokens=256, temperature=1.0, seed=0)

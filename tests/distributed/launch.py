@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 
 
 def _worker(
-    rank: int, world_size: int, root: str, fn: Callable[..., Any], args: tuple[Any, ...]
+    rank: int, world_size: int, root: str, fn: Callable[..., Any], args: tuple[Any, ...],
+    pg_timeout_s: float = 60.0,
 ) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # never any other address
@@ -25,7 +26,7 @@ def _worker(
         init_method=f"file://{root}/rendezvous",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
     )
     try:
         result = fn(rank, world_size, *args)
@@ -44,15 +45,18 @@ def spawn(
     *args: Any,
     timeout_s: float = 240.0,
     expect_failure: bool = False,
+    pg_timeout_s: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
+
+    ``pg_timeout_s``: the process group's timeout (how long a collective waits).
 
     Raises with every failed rank's traceback; kills all processes past ``timeout_s``.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
     root = str(tmp_path)
     context = mp.start_processes(
-        _worker, args=(world_size, root, fn, args), nprocs=world_size, join=False,
+        _worker, args=(world_size, root, fn, args, pg_timeout_s), nprocs=world_size, join=False,
         start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,172 @@
+"""Checkpoint files on disk: atomic writes, and an index of sizes and hashes that loading verifies.
+
+Every file goes to a temporary name in its own directory, is flushed and fsynced, replaces the
+final name with ``os.replace`` (atomic on POSIX), and the directory is fsynced so the rename
+survives a power cut. A reader therefore sees the old file or the new one, never a torn one.
+
+A checkpoint folder's ``index.json`` records each file's size and SHA-256::
+
+    {"num_shards": 2, "files": {"shard-000-of-002.pt": {"bytes": 5545, "sha256": "..."}, ...}}
+
+:func:`verify_checkpoint` checks them and raises :class:`CheckpointCorruptError` naming the first
+file that is missing, truncated or altered. An index without ``files`` (written before hashes
+were recorded) verifies nothing, so old checkpoints still load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+__all__ = [
+    "INDEX",
+    "CheckpointCorruptError",
+    "FileEntry",
+    "read_index",
+    "torch_load",
+    "verify_checkpoint",
+    "write_atomic",
+    "write_index",
+]
+
+INDEX = "index.json"
+FileEntry = dict[str, Any]  # {"bytes": int, "sha256": str}
+_CHUNK = 1 << 20
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint file is missing, truncated, altered or unreadable; the message names it."""
+
+
+class _HashingWriter:
+    """A binary file that hashes and counts what passes through it (for torch.save)."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems do not open directories; the rename still happened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, content: bytes | str | Any) -> FileEntry:
+    """Write ``content`` to ``path`` atomically and durably; return its index entry.
+
+    ``content``: bytes, text (UTF-8), or any other object, which is written with ``torch.save``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as file:
+            writer = _HashingWriter(file)
+            if isinstance(content, str):
+                writer.write(content.encode())
+            elif isinstance(content, (bytes, bytearray)):
+                writer.write(bytes(content))
+            else:
+                torch.save(content, writer)  # type: ignore[arg-type]
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+def write_index(directory: str | Path, num_shards: int, files: dict[str, FileEntry]) -> None:
+    """Write ``index.json`` (atomically) recording every file's size and hash."""
+    index = {"num_shards": num_shards, "files": dict(sorted(files.items()))}
+    write_atomic(Path(directory) / INDEX, json.dumps(index, indent=1) + "\n")
+
+
+def read_index(directory: str | Path) -> dict[str, Any]:
+    """The parsed ``index.json`` of a checkpoint folder; CheckpointCorruptError if unreadable."""
+    path = Path(directory) / INDEX
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} holds no checkpoint ({INDEX} is missing)")
+    try:
+        index = json.loads(path.read_text())
+        int(index["num_shards"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(
+            f"checkpoint index {path} is damaged ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(index, dict):
+        raise CheckpointCorruptError(f"checkpoint index {path} is damaged (not a JSON object)")
+    return index
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(directory: str | Path, names: Iterable[str] | None = None) -> None:
+    """Check the files of a checkpoint folder (or only ``names``) against its ``index.json``.
+
+    Raises CheckpointCorruptError naming the first file that is missing, has another size than
+    recorded (truncated or extended) or another SHA-256 (altered). Files the index does not list
+    are not checked (an index written before hashes were recorded lists none).
+    """
+    directory = Path(directory)
+    files: dict[str, FileEntry] = read_index(directory).get("files") or {}
+    for name in sorted(files) if names is None else names:
+        entry = files.get(name)
+        if entry is None:
+            continue
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointCorruptError(f"checkpoint file {path} is missing (listed in {INDEX})")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} is damaged: {size} bytes, but {INDEX} recorded "
+                f"{entry['bytes']} ({'truncated' if size < entry['bytes'] else 'extended'})"
+            )
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} is damaged: its SHA-256 differs from the one recorded "
+                f"in {INDEX} (same size, altered bytes)"
+            )
+
+
+def torch_load(path: str | Path, *, weights_only: bool) -> Any:
+    """``torch.load`` on CPU that names the file when it cannot be read."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
+        raise CheckpointCorruptError(
+            f"checkpoint file {path} is unreadable ({type(exc).__name__}: {exc})"
+        ) from exc
