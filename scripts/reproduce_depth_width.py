@@ -44,7 +44,7 @@ from apps.nmt.evaluate import (  # noqa: E402
     train_languages,
     translate,
 )
-from scripts.nmt_runs import Run, train  # noqa: E402
+from scripts.nmt_runs import Run, read_log, train  # noqa: E402
 from scripts.reproduce_stability import parse_settings  # noqa: E402
 
 BUCKETS = ("high", "medium", "low")
@@ -300,6 +300,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for evaluation")
     parser.add_argument("--skip-training", action="store_true",
                         help="evaluate the runs already in --runs-dir")
+    parser.add_argument("--reuse", action="store_true",
+                        help="train only the roles without a finished run (summary.json) in "
+                             "--runs-dir; evaluate all")
     parser.add_argument("--timeout-minutes", type=float, default=90.0, help="per run")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -312,9 +315,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.steps is not None:
             settings["max_steps"] = args.steps
         out_dir = args.runs_dir / name
-        if args.skip_training:
+        if args.skip_training or (args.reuse and (out_dir / "summary.json").exists()):
             run = Run(name, out_dir, settings, 0, 0.0)
             run.summary = json.loads((out_dir / "summary.json").read_text())
+            run.records = read_log(out_dir)
         else:
             run = train(name, out_dir, settings, timeout_s=60 * args.timeout_minutes)
             if run.returncode != 0:

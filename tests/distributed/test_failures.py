@@ -110,7 +110,11 @@ def run_own_error(rank: int, world: int) -> Any:
         with gp.collectives("my own code"):
             raise RuntimeError("shape mismatch in my own code")
     except RuntimeError as error:
-        return type(error).__name__, str(error)
+        result = type(error).__name__, str(error)
+    # neither rank may leave before both have connected: a rank that exits while its peer is
+    # still connecting makes the peer's process-group set-up fail (seen on a loaded machine)
+    dist.barrier()
+    return result
 
 
 def test_an_error_in_the_block_itself_is_not_blamed_on_a_peer(tmp_path: Path) -> None:
