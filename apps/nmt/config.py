@@ -87,10 +87,10 @@ class NMTConfig:
     weight_decay: float = 0.0  # decoupled weight decay
     # training budget: the run ends at max_steps or, if set, max_train_tokens (source + target
     # tokens, no padding), whichever comes first, so its result does not depend on the machine
-    max_steps: int = 2800  # stop after this many optimizer steps
+    max_steps: int = 5000  # stop after this many optimizer steps
     max_train_tokens: int = 0  # stop once this many tokens were trained on; 0 = no token budget
     # a safety, not a budget: a run cut by the clock says so (summary.json "stopped_by")
-    max_minutes: float = 26.0  # stop after this much wall-clock training time; 0 = no limit
+    max_minutes: float = 27.0  # stop after this much wall-clock training time; 0 = no limit
     seed: int = 0  # seeds data order, init and dropout
 
     # --- runtime ---
