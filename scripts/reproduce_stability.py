@@ -170,11 +170,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return train(name, args.runs_dir / name, settings, timeout_s=60 * args.timeout_minutes)
 
     # 1. sweep the unfixed model until it misbehaves
-    sweep = []
+    sweep, sweep_runs = [], []
     chosen = None
     for lr in lrs:
-        row = describe(run(f"sweep_neither_lr{lr:g}", lr, "neither", args.sweep_steps),
-                       warmup=warmup)
+        sweep_runs.append(run(f"sweep_neither_lr{lr:g}", lr, "neither", args.sweep_steps))
+        row = describe(sweep_runs[-1], warmup=warmup)
         sweep.append(row)
         if misbehaved(row):
             chosen = lr
@@ -222,7 +222,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
          f"{2 * config.num_layers}-layer T({config.num_layers}, {config.ffn_dim}, "
          f"{config.num_heads}) d={config.d_model}, Adam lr {lr:g}, warm-up {warmup}: "
          "the stability fixes on and off")
-    sweep_runs = [r for r in _sweep_runs(args.runs_dir, sweep)]
     if sweep_runs:
         plot(sweep_runs, args.out / "stability_sweep.png",
              "no fix, learning-rate sweep (stops at the first rate that misbehaves)")
@@ -231,17 +230,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"dev loss {row['dev_loss']}  dev BLEU {row['dev_bleu']}  "
               f"max|logit| {row['max_abs_logit']}  max act {row['max_activation_per_stage']}")
     return result
-
-
-def _sweep_runs(runs_dir: Path, rows: Sequence[dict[str, Any]]) -> list[Run]:
-    from scripts.nmt_runs import read_log
-
-    runs = []
-    for row in rows:
-        run = Run(row["name"], runs_dir / row["name"], {}, row["returncode"], row["wall_minutes"])
-        run.records = read_log(run.out_dir)
-        runs.append(run)
-    return runs
 
 
 if __name__ == "__main__":
