@@ -8,12 +8,15 @@ Statistics are combined with Chan et al.'s parallel algorithm (count, mean, M2) 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "frozen_running_stats"]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -33,6 +36,7 @@ class DeferredBatchNorm(_BatchNorm):
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device=device, dtype=dtype)
         self.count = 0  # samples (times spatial positions) accumulated in this mini-batch
+        self.recomputing = False  # set by frozen_running_stats: a forward run again adds nothing
         self.register_buffer("mean_acc", torch.zeros(num_features, device=device, dtype=dtype), persistent=False)
         self.register_buffer("m2_acc", torch.zeros(num_features, device=device, dtype=dtype), persistent=False)
 
@@ -44,8 +48,9 @@ class DeferredBatchNorm(_BatchNorm):
         if not self.training:
             return super().forward(input)
         self._check_input_dim(input)
-        with torch.no_grad():
-            self._accumulate(input)
+        if not self.recomputing:
+            with torch.no_grad():
+                self._accumulate(input)
         # Normalize by this micro-batch's statistics without touching the running ones.
         return F.batch_norm(
             input, None, None, self.weight, self.bias, training=True, momentum=0.0, eps=self.eps
@@ -116,3 +121,43 @@ class DeferredBatchNorm(_BatchNorm):
             if converted is not child:
                 setattr(module, name, converted)
         return module
+
+
+@contextmanager
+def frozen_running_stats(batchnorms: Sequence[_BatchNorm]) -> Iterator[None]:
+    """Run a forward again (re-materialization) without updating running statistics twice.
+
+    The recomputed forward normalizes exactly as the first one did (with its micro-batch's own
+    statistics), so only the bookkeeping has to be switched off, which costs nothing:
+    ``DeferredBatchNorm`` skips accumulating, and a standard ``nn.BatchNorm*d`` in training mode
+    runs with ``track_running_stats`` off (batch statistics, no update). A subclass with its own
+    ``forward`` (``SyncBatchNorm``, third-party ones) cannot be switched reliably; its buffers are
+    copied before and written back after, which the caller's backward may still read, so the
+    context must enclose the backward too.
+    """
+    switched: list[_BatchNorm] = []
+    snapshots = []
+    try:
+        for bn in batchnorms:
+            if isinstance(bn, DeferredBatchNorm):
+                bn.recomputing = True
+                switched.append(bn)
+            elif not bn.training or not bn.track_running_stats:
+                continue  # nothing updates running statistics
+            elif type(bn).forward is _BatchNorm.forward:
+                bn.track_running_stats = False
+                switched.append(bn)
+            else:
+                snapshots.append((bn, {name: buf.clone()
+                                       for name, buf in bn.named_buffers(recurse=False)}))
+        yield
+    finally:
+        for bn in switched:
+            if isinstance(bn, DeferredBatchNorm):
+                bn.recomputing = False
+            else:
+                bn.track_running_stats = True
+        with torch.no_grad():
+            for bn, buffers in snapshots:
+                for name, value in buffers.items():
+                    getattr(bn, name).copy_(value)

@@ -13,8 +13,8 @@ gradient to send back. Every layer's forward draws its randomness from a generat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .batchnorm import DeferredBatchNorm
+from .batchnorm import DeferredBatchNorm, frozen_running_stats
 from .checkpoint import checkpoint_stop, fork_rng, layer_seeds, seed_rng
 from .microbatch import flatten, unflatten
 
@@ -191,8 +191,9 @@ class Stage:
                 "supported by the pipeline)"
             ) from None
         # Recomputation must leave BatchNorm's running statistics as the first forward left
-        # them; they are restored only after backward, which may still read the saved buffers.
-        frozen = self._frozen_batchnorm_stats() if saved.outputs is None else nullcontext()
+        # them (the context encloses backward: a restored buffer may still be read there).
+        frozen = (frozen_running_stats(self._batchnorms) if saved.outputs is None
+                  else nullcontext())
         with torch.enable_grad(), frozen:
             outputs = saved.outputs
             if outputs is None:
@@ -224,27 +225,6 @@ class Stage:
         return [
             x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in saved.inputs
         ]
-
-    @contextmanager
-    def _frozen_batchnorm_stats(self) -> Iterator[None]:
-        """Recomputation must not update BatchNorm's running statistics a second time."""
-        if not self._batchnorms:
-            yield
-            return
-        snapshot = [
-            ({name: buf.clone() for name, buf in bn.named_buffers(recurse=False)},
-             getattr(bn, "count", None))
-            for bn in self._batchnorms
-        ]
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for bn, (buffers, count) in zip(self._batchnorms, snapshot, strict=True):
-                    for name, value in buffers.items():
-                        getattr(bn, name).copy_(value)
-                    if count is not None:  # DeferredBatchNorm's sample count
-                        bn.count = count
 
 
 def _as_input_leaf(value: Any, grad_enabled: bool) -> Any:

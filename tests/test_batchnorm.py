@@ -93,3 +93,42 @@ def test_recomputation_does_not_update_plain_batchnorm_twice() -> None:
     ref(x[4:])
     torch.testing.assert_close(pipe[1].running_mean, ref[1].running_mean, rtol=0, atol=1e-12)
     assert int(pipe[1].num_batches_tracked) == 2
+
+
+class _OwnForwardBatchNorm(nn.BatchNorm1d):
+    """A subclass with its own forward: recomputation falls back to restoring its buffers."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 1.0
+
+
+@pytest.mark.parametrize("kind", ["plain", "own_forward", "deferred", "eval"])
+def test_recomputation_leaves_every_kind_of_batchnorm_as_the_plain_module_does(kind: str) -> None:
+    bn = _OwnForwardBatchNorm(4) if kind == "own_forward" else nn.BatchNorm1d(4)
+    ref = nn.Sequential(nn.Linear(4, 4), bn, nn.Linear(4, 2)).double()
+    ref[1].running_mean.uniform_(-1, 1)
+    if kind == "eval":
+        ref[1].eval()  # a frozen BatchNorm inside a model in training
+    deferred = kind == "deferred"
+    pipe = gp.GPipe(copy.deepcopy(ref), [2, 1], chunks=2, checkpoint="always",
+                    deferred_batch_norm=deferred)
+    if kind == "eval":
+        pipe[1].eval()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe(x).sum().backward()
+    if deferred:
+        ref(x)
+        expected_batches = 1
+    else:
+        expected = torch.cat([ref(x[:4]), ref(x[4:])])
+        expected.sum().backward()
+        expected_batches = 0 if kind == "eval" else 2
+        for (name, p), q in zip(ref.named_parameters(), pipe.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-12, msg=name)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(pipe[1], name), getattr(ref[1], name), rtol=0,
+                                   atol=1e-12)
+    assert int(pipe[1].num_batches_tracked) == expected_batches
+    # The switches are back where they were.
+    assert pipe[1].track_running_stats
+    assert not getattr(pipe[1], "recomputing", False)
