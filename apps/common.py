@@ -1,4 +1,9 @@
-"""Pieces both apps' train scripts share: run logging (log.jsonl + wandb) and checkpoint folders.
+"""Pieces both apps' train scripts share: run setup, resume checks, logging, checkpoint folders.
+
+``setup_run`` starts a run under torchrun (process groups, this rank's place, its device, the
+CPU knobs) and returns a ``Run``; ``check_pipeline_options`` asks gpipe_core whether a schedule
+name and re-materialization mode are valid, so the apps accept exactly what the library runs;
+``check_resumable`` is the one rule for which config keys a ``--resume`` may change.
 
 A run's ``out_dir`` holds ``step-NNNNNNN/`` checkpoint folders, a ``latest`` file naming the
 newest complete one (written only after every rank's files are on disk), ``log.jsonl`` (one line
@@ -20,18 +25,149 @@ import secrets
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
+from gpipe_core.checkpoint import CHECKPOINT_MODES
+from gpipe_core.schedule import get_schedule
 from gpipe_core.storage import torch_load
 
 KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
 LATEST = "latest"
+
+
+# ---------------------------------------------------------------------------------------------
+# Run setup: this rank's place in the world, its device, the CPU knobs
+
+
+def check_pipeline_options(*, schedule: str, checkpoint: str, num_stages: int,
+                           chunks: int) -> None:
+    """ConfigError, with gpipe_core's own message, unless the library runs ``schedule``
+    (``gpipe``, ``1f1b``, ``1f1b_slackN``, ...) with ``num_stages`` x ``chunks`` and knows the
+    re-materialization mode ``checkpoint``. The apps keep no list of their own."""
+    try:
+        get_schedule(schedule, num_stages, chunks)
+    except ValueError as error:
+        raise ConfigError(f"schedule={schedule!r}: {error}") from None
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ConfigError(f"checkpoint={checkpoint!r} is not one of {list(CHECKPOINT_MODES)}")
+
+
+@dataclass
+class Run:
+    """Where this process sits in a run under torchrun, and on which device it computes.
+
+    The world is ``num_stages`` pipeline ranks times R data-parallel replicas, pipeline-major
+    (as ``gp.init_process_groups`` lays it out): ranks ``r*K ... r*K+K-1`` are replica r.
+    """
+
+    pipeline_group: Any
+    data_group: Any
+    rank: int  # global rank
+    world_size: int
+    num_stages: int
+    device: torch.device  # collectives need device tensors under NCCL
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.num_stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.num_stages
+
+    @property
+    def first_rank(self) -> int:
+        """Global rank of this replica's first stage."""
+        return self.replica * self.num_stages
+
+    @property
+    def master(self) -> bool:
+        """Global rank 0: the one that prints, logs, evaluates and writes shared files."""
+        return self.rank == 0
+
+    def say(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0; nothing elsewhere."""
+        if self.master:
+            print(*args, **kwargs)
+
+    def broadcast_from_first_stage(self, tensor: Tensor | None, like: Tensor) -> Tensor:
+        """The replica's first stage's ``tensor``, on every rank of its pipeline (the others
+        pass None; ``like`` gives them shape and dtype)."""
+        buffer = (tensor if tensor is not None else like).to(self.device)
+        if self.num_stages > 1:
+            dist.broadcast(buffer, src=self.first_rank, group=self.pipeline_group)
+        return buffer
+
+
+def setup_run(*, num_stages: int, device: str = "auto", num_threads: int = 1,
+              timeout_s: float, pin_cpus: bool = False, hold_memory: bool = False) -> Run:
+    """Start a run under torchrun: torch threads, process groups (gloo on CPU, NCCL with
+    CUDA), this rank's ``Run``.
+
+    ``device``: ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). ``num_threads``: torch
+    intra-op threads per rank (on CPU the stages are the parallelism). Every collective fails
+    within ``timeout_s``, naming the rank that hangs. The CPU knobs (``gpipe_core.cpu``):
+    ``pin_cpus`` gives each local rank its own share of the cores (``gp.bind_cpus``, gloo's
+    threads included; ``num_threads`` still sets the thread count) and ``hold_memory`` keeps
+    freed blocks mapped (``gp.hold_freed_memory``).
+    """
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    pipeline_group, data_group = gp.init_process_groups(
+        num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=timeout_s,
+        pin_cpus=pin_cpus, hold_memory=hold_memory,
+    )
+    torch.set_num_threads(num_threads)  # after pinning, which sets it to the share's size
+    return Run(
+        pipeline_group=pipeline_group,
+        data_group=data_group,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        num_stages=num_stages,
+        device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
+        else torch.device("cpu"),
+    )
+
+
+def set_quiet_io(pipe: gp.DistributedGPipe, enabled: bool) -> None:
+    """Whether the gloo transport keeps gloo's I/O thread from preempting its sends and
+    receive posts (``gpipe_core.cpu.QuietIOThreads``; the library does it by default).
+
+    ``enabled=False`` restores plain gloo behaviour (for measuring what quieting is worth). The
+    library has no public switch for it yet, so this sets the transport's attribute.
+    """
+    if not enabled and hasattr(pipe, "transport"):
+        pipe.transport.quiet_io = None
+
+
+def check_resumable(saved: Any, config: Any, *, may_change: Collection[str],
+                    checkpoint: Path) -> None:
+    """ConfigError unless ``config`` equals ``saved`` (the config stored in ``checkpoint``) in
+    every key but those in ``may_change``: keys that touch neither the model, its partitioning
+    nor the training stream. An allow-list, so a key added to a config must match on resume
+    until someone decides that changing it is safe.
+    """
+    old, new = dataclasses.asdict(saved), dataclasses.asdict(config)
+    unknown = set(may_change) - set(old)
+    assert not unknown, f"may_change names keys the config lacks: {sorted(unknown)}"
+    differ = {k: (old[k], new[k]) for k in old if k not in may_change and old[k] != new[k]}
+    if differ:
+        raise ConfigError(
+            f"--resume from {checkpoint}: the config differs in {differ} (saved, given); "
+            "resume with the saved settings or start a new out_dir"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint folders
 
 
 class CheckpointError(FileNotFoundError):

@@ -110,7 +110,6 @@ def evaluate_checkpoint(
         alpha=alpha,
         device=torch.device(device),
     )
-    assert report is not None
     report["checkpoint"] = str(path)
     if out is not None:
         out = Path(out)

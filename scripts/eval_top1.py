@@ -26,12 +26,17 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpipe_core as gp  # noqa: E402
-from apps.amoebanet.config import AmoebaNetConfig, build_model, load_amoebanet_config  # noqa: E402
-from apps.amoebanet.data import DatasetNotFoundError, build_eval_loader, shard_infos  # noqa: E402
-from apps.amoebanet.train import (  # noqa: E402
+from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config  # noqa: E402
+from apps.amoebanet.data import (  # noqa: E402
+    DatasetNotFoundError,
+    build_eval_loader,
+    class_names,
+    shard_infos,
+)
+from apps.amoebanet.evaluate import (  # noqa: E402
     TRAIN_COMMAND,
     ClassificationMetrics,
-    class_names,
+    load_model,
     write_report,
 )
 from apps.common import CheckpointError, require_app, resolve_checkpoint  # noqa: E402
@@ -41,13 +46,6 @@ from apps.config import ConfigError  # noqa: E402
 def load_checkpoint_config(checkpoint: Path, overrides: Sequence[str] = ()) -> AmoebaNetConfig:
     """The config saved with ``checkpoint``, with ``--key=value`` overrides on top."""
     return load_amoebanet_config([f"--config={checkpoint / 'config.yaml'}", *overrides])
-
-
-def load_model(config: AmoebaNetConfig, checkpoint: Path, device: torch.device) -> torch.nn.Module:
-    """The plain ``nn.Sequential`` of ``config`` holding the checkpoint's merged shards."""
-    model = build_model(config, device="meta")
-    model.load_state_dict(gp.load_checkpoint(checkpoint), assign=True)
-    return model.to(device).eval()
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from apps.amoebanet.model import build_amoebanet, check_image_size
+from apps.common import check_pipeline_options
 from apps.config import ConfigError, load_config
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -58,10 +59,15 @@ class AmoebaNetConfig:
     # --- pipeline ----------------------------------------------------------------------------
     num_stages: int = 2  # K: pipeline stages (torchrun ranks of the pipeline group)
     chunks: int = 4  # M: micro-batches per mini-batch
-    schedule: str = "gpipe"  # "gpipe" (fill-drain), "1f1b" or "1f1b_slack1"
+    schedule: str = "gpipe"  # any name gpipe_core runs: "gpipe" (fill-drain), "1f1b", "1f1b_slackN"
     checkpoint: str = "except_last"  # re-materialization: "always" | "except_last" | "never"
     balance: tuple[int, ...] | None = None  # layers per stage; None = by measured time (by parameters above 50M)
     timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named
+
+    # --- CPU knobs (gpipe_core.cpu; README "Using the library") --------------------------------
+    pin_cpus: bool = False  # pin each local rank to its own share of the cores (gp.bind_cpus)
+    hold_memory: bool = False  # keep freed blocks mapped, no fresh page faults (gp.hold_freed_memory)
+    quiet_io: bool = True  # keep gloo's I/O thread from preempting our sends/receives (library default)
 
     # --- optimisation --------------------------------------------------------------------------
     optimizer: str = "adamw"  # timm create_optimizer_v2 name: "rmsproptf" (AmoebaNet), "sgd", ...
@@ -92,8 +98,6 @@ class AmoebaNetConfig:
 
 GENOTYPE_CHOICES = ("D", "B")
 DATASET_CHOICES = ("fashion_mnist", "imagenet", "shards")
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "1f1b_slack1")
-CHECKPOINT_CHOICES = ("always", "except_last", "never")
 
 
 def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
@@ -101,8 +105,6 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
     choices = {
         "genotype": (config.genotype.upper(), GENOTYPE_CHOICES),
         "dataset": (config.dataset, DATASET_CHOICES),
-        "schedule": (config.schedule, SCHEDULE_CHOICES),
-        "checkpoint": (config.checkpoint, CHECKPOINT_CHOICES),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -129,6 +131,8 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
             f"batch_size={config.batch_size} is not divisible by chunks={config.chunks}; "
             f"micro-batches would be uneven"
         )
+    check_pipeline_options(schedule=config.schedule, checkpoint=config.checkpoint,
+                           num_stages=config.num_stages, chunks=config.chunks)
     try:
         check_image_size(config.image_size, config.image_size, config.stem_stride)
     except ValueError as exc:

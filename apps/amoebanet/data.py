@@ -250,12 +250,23 @@ def shard_urls(config: AmoebaNetConfig, split: str) -> list[str]:
     return [info.url for info in shard_infos(config, split)]
 
 
-def num_images(config: AmoebaNetConfig, split: str) -> int | None:
-    """Images in a split according to dataset.json (None when there is none)."""
+def num_images(config: AmoebaNetConfig, split: str) -> int:
+    """Images in a split: from dataset.json, else by listing the shards' ``.cls`` members."""
     info = read_dataset_info(config)
-    if info is None:
-        return None
-    return int(info["splits"][split]["images"])
+    if info is not None:
+        return int(info["splits"][split]["images"])
+    total = 0
+    for shard in shard_infos(config, split):
+        with tarfile.open(shard.url) as tar:
+            total += sum(1 for name in tar.getnames() if name.endswith(".cls"))
+    return total
+
+
+def class_names(config: AmoebaNetConfig) -> list[str]:
+    """Class names in label order from dataset.json (``class<i>`` when it has none)."""
+    info = read_dataset_info(config)
+    classes = (info or {}).get("classes")
+    return list(classes) if classes else [f"class{i}" for i in range(config.num_classes)]
 
 
 def _shard_of(exn: BaseException) -> str:

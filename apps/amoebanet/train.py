@@ -33,7 +33,6 @@ import dataclasses
 import json
 import random
 import sys
-import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -61,40 +60,41 @@ from apps.amoebanet.data import (
     Batch,
     CorruptShardError,
     DatasetNotFoundError,
-    build_eval_loader,
     build_mixup,
     build_train_loader,
     build_train_loss,
+    class_names,
     dataset_is_complete,
-    read_dataset_info,
+    num_images,
     shard_infos,
 )
+from apps.amoebanet.evaluate import TRAIN_COMMAND, evaluate_pipeline, write_report
 from apps.common import (
     Interrupt,
     RunLogger,
     check_loss,
+    check_resumable,
     checkpoint_dir,
     load_train_state,
     on_rank0,
     refuse_existing_run,
     resume_checkpoint,
     run_main,
+    set_quiet_io,
+    setup_run,
     write_checkpoint,
 )
 from apps.config import ConfigError, load_config, parse_overrides, save_config
 
-TRAIN_COMMAND = (
-    "python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
-    "--rdzv-endpoint 127.0.0.1:0 -m apps.amoebanet.train --out_dir={out_dir}"
-)
 # Models up to this size are balanced by the measured time of each layer on rank 0 (a full
 # copy is materialized for it); larger ones by parameter count, so no rank holds the whole model.
 PROFILE_MAX_PARAMETERS = 50_000_000
-# Config keys a resumed run may change: they touch neither the model nor the training stream.
+# Config keys a resumed run may change (apps.common.check_resumable): they touch neither the
+# model, its partitioning nor the training stream; every other key must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
     "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
-    "ckpt_every", "max_loss_factor",
+    "ckpt_every", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
 })
 
 
@@ -129,12 +129,6 @@ def parse_args(argv: Sequence[str]) -> tuple[RunOptions, AmoebaNetConfig]:
     return run, config
 
 
-def changed_keys(saved: AmoebaNetConfig, config: AmoebaNetConfig) -> dict[str, tuple[Any, Any]]:
-    """Keys (saved, given) that differ and would change the model or the training stream."""
-    old, new = dataclasses.asdict(saved), dataclasses.asdict(config)
-    return {k: (old[k], new[k]) for k in old if k not in RESUMABLE_CHANGES and old[k] != new[k]}
-
-
 # ---------------------------------------------------------------------------------------------
 # Data
 
@@ -158,25 +152,6 @@ def prepare_fashion_mnist(config: AmoebaNetConfig) -> None:
 
     print(f"preparing Fashion-MNIST in {config.data_dir} (once; about 30 s)", flush=True)
     prepare(config.data_dir)
-
-
-def class_names(config: AmoebaNetConfig) -> list[str]:
-    """Class names in label order from dataset.json (``class<i>`` when it has none)."""
-    info = read_dataset_info(config)
-    classes = (info or {}).get("classes")
-    return list(classes) if classes else [f"class{i}" for i in range(config.num_classes)]
-
-
-def split_images(config: AmoebaNetConfig, split: str) -> int:
-    """Images in a split: from dataset.json, else by listing the shards' ``.cls`` members."""
-    info = read_dataset_info(config)
-    if info is not None:
-        return int(info["splits"][split]["images"])
-    total = 0
-    for shard in shard_infos(config, split):
-        with tarfile.open(shard.url) as tar:
-            total += sum(1 for name in tar.getnames() if name.endswith(".cls"))
-    return total
 
 
 def seed_process_rngs(*parts: object) -> None:
@@ -241,150 +216,6 @@ def choose_balance(
 
 
 # ---------------------------------------------------------------------------------------------
-# Evaluation: top-1 / top-5 / confusion matrix (shared with scripts/eval_top1.py)
-
-
-class ClassificationMetrics:
-    """Running top-1 / top-5 counts, summed cross-entropy and the confusion matrix."""
-
-    def __init__(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)  # [true, pred]
-        self.top5_correct = 0
-        self.loss_sum = 0.0
-
-    @torch.no_grad()
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        logits, labels = logits.detach().float().cpu(), labels.cpu()
-        k = min(5, self.num_classes)
-        top = logits.topk(k, dim=1).indices
-        self.top5_correct += int((top == labels[:, None]).any(dim=1).sum())
-        pairs = labels * self.num_classes + top[:, 0]
-        self.confusion += torch.bincount(pairs, minlength=self.num_classes**2).view(
-            self.num_classes, self.num_classes)
-        self.loss_sum += float(F.cross_entropy(logits.double(), labels, reduction="sum"))
-
-    @property
-    def images(self) -> int:
-        return int(self.confusion.sum())
-
-    def all_reduce(self, device: torch.device, group: Any = None) -> None:
-        """Sum the counts of every rank (ranks that saw nothing contribute zeros)."""
-        flat = torch.cat([self.confusion.flatten().double(),
-                          torch.tensor([self.top5_correct, self.loss_sum], dtype=torch.float64)])
-        flat = flat.to(device)
-        dist.all_reduce(flat, group=group)
-        flat = flat.cpu()
-        cells = self.num_classes**2
-        self.confusion = flat[:cells].round().long().view(self.num_classes, self.num_classes)
-        self.top5_correct = int(round(float(flat[cells])))
-        self.loss_sum = float(flat[cells + 1])
-
-    def report(self, classes: Sequence[str], *, split: str) -> dict[str, Any]:
-        n = max(self.images, 1)
-        per_class = self.confusion.diag().double() / self.confusion.sum(1).clamp(min=1).double()
-        return {
-            "split": split,
-            "images": self.images,
-            "top1": float(self.confusion.diag().sum()) / n,
-            "top5": self.top5_correct / n,
-            "loss": self.loss_sum / n,
-            "classes": list(classes),
-            "per_class_top1": {name: round(float(v), 4)
-                               for name, v in zip(classes, per_class, strict=True)},
-            "confusion": self.confusion.tolist(),  # rows: true class, columns: predicted
-        }
-
-
-def write_report(report: dict[str, Any], path: str | Path) -> tuple[Path, Path]:
-    """Write ``<path>.json`` and a confusion-matrix ``<path>.png``; return both paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = path.with_suffix(".json"), path.with_suffix(".png")
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    confusion = np.array(report["confusion"], dtype=np.int64)
-    rates = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)
-    classes = report["classes"]
-    size = max(5.0, 0.55 * len(classes) + 2.0)
-    fig, ax = plt.subplots(figsize=(size + 1.0, size))
-    image = ax.imshow(rates, cmap="Blues", vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
-    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
-    ax.set_yticks(range(len(classes)), classes)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    if len(classes) <= 20:
-        for i in range(len(classes)):
-            for j in range(len(classes)):
-                if confusion[i, j]:
-                    ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=7,
-                            color="white" if rates[i, j] > 0.5 else "black")
-    ax.set_title(f"{report['split']}: top-1 {100 * report['top1']:.2f}%, "
-                 f"top-5 {100 * report['top5']:.2f}% ({report['images']} images)")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    return json_path, png_path
-
-
-@dataclass
-class Comm:
-    """Where this rank sits: pipeline and data-parallel groups, and the tensors' device."""
-
-    pipeline_group: Any
-    data_group: Any
-    first_rank: int  # global rank of this replica's first stage
-    replica: int
-    num_replicas: int
-    device: torch.device  # collectives need device tensors under NCCL
-
-    def send_targets(self, targets: Tensor | None, like: Tensor) -> Tensor:
-        """The first stage's tensor, on every rank of the pipeline (``like`` gives shape)."""
-        buffer = (targets if targets is not None else like).to(self.device)
-        if dist.get_world_size(self.pipeline_group) > 1:
-            dist.broadcast(buffer, src=self.first_rank, group=self.pipeline_group)
-        return buffer
-
-
-def evaluate_pipeline(
-    pipe: gp.DistributedGPipe, config: AmoebaNetConfig, comm: Comm, split: str,
-    autocast: AbstractContextManager[Any],
-) -> ClassificationMetrics:
-    """Top-1 / top-5 on ``split`` through the pipeline (forward only, BatchNorm in eval mode).
-
-    Each replica's first stage reads its share of the split's shards and sends each batch's size
-    and labels to its last stage, which scores the logits; the counts are summed over the world.
-    """
-    pipe.eval()  # running BatchNorm statistics, no drop-path, and nothing committed
-    metrics = ClassificationMetrics(config.num_classes)
-    batches = None
-    if pipe.is_first:
-        batches = iter(build_eval_loader(config, split, dp_rank=comm.replica,
-                                         dp_size=comm.num_replicas))
-    while True:
-        batch = next(batches, None) if batches is not None else None
-        size = torch.tensor([len(batch[1]) if batch is not None else 0])  # 0: done
-        size = comm.send_targets(size, size)
-        if int(size[0]) == 0:
-            break
-        labels = comm.send_targets(batch[1] if batch is not None else None,
-                                   torch.empty(int(size[0]), dtype=torch.int64))
-        with autocast:
-            _, logits = pipe.evaluate(batch[0] if batch is not None else None,
-                                      labels if pipe.is_last else None, return_outputs=True)
-        if pipe.is_last:
-            metrics.update(logits, labels)
-    pipe.train()
-    metrics.all_reduce(comm.device)
-    return metrics
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
@@ -394,28 +225,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- config (errors here stop every rank before any process group exists) -------------
     run, config = parse_args(sys.argv[1:] if argv is None else argv)
     check_dataset(config)
-    torch.set_num_threads(1)  # one thread per rank: the stages are the parallelism on CPU
-    use_cuda = torch.cuda.is_available()
-    # every collective fails within timeout_s (naming the rank that hangs); the one long wait,
-    # for rank 0 to prepare the data, is on the store instead (on_rank0)
-    pipeline_group, data_group = gp.init_process_groups(
-        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=config.timeout_s
-    )
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    num_replicas = world_size // config.num_stages
-    replica = rank // config.num_stages
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    comm = Comm(pipeline_group, data_group, replica * config.num_stages, replica, num_replicas,
-                device)
-    master = rank == 0
+    # one thread per rank: the stages are the parallelism on CPU; every collective fails within
+    # timeout_s (naming the rank that hangs); the one long wait, for rank 0 to prepare the data,
+    # is on the store instead (on_rank0)
+    run = setup_run(num_stages=config.num_stages, device="auto", num_threads=1,
+                    timeout_s=config.timeout_s, pin_cpus=config.pin_cpus,
+                    hold_memory=config.hold_memory)
+    rank, world_size, device = run.rank, run.world_size, run.device
+    num_replicas, replica, master, say = run.num_replicas, run.replica, run.master, run.say
+    use_cuda = device.type == "cuda"
     out_dir = Path(config.out_dir)
-    say = print if master else (lambda *args, **kwargs: None)
 
     # --- data: Fashion-MNIST prepared once by rank 0; the others wait ---------------------
     on_rank0(lambda: prepare_fashion_mnist(config), what="preparing Fashion-MNIST")
     check_dataset(config)
     classes = class_names(config)
-    train_images = split_images(config, config.train_split)
+    train_images = num_images(config, config.train_split)
     updates_per_epoch = train_images // (config.batch_size * num_replicas)
     if updates_per_epoch < 1:
         raise ConfigError(
@@ -434,12 +259,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         resume_dir = resume_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
             out_dir=out_dir), verbose=master)
         saved = load_amoebanet_config([f"--config={resume_dir / 'config.yaml'}"])
-        differ = changed_keys(saved, config)
-        if differ:
-            raise ConfigError(
-                f"--resume from {resume_dir}: the config differs in {differ} (saved, given); "
-                "resume with the saved settings or start a new out_dir"
-            )
+        check_resumable(saved, config, may_change=RESUMABLE_CHANGES, checkpoint=resume_dir)
         state = load_train_state(resume_dir, rank, world_size)
     else:
         refuse_existing_run(out_dir)
@@ -462,14 +282,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         checkpoint=config.checkpoint,
         schedule=config.schedule,
         loss_fn=loss_fn,
-        group=pipeline_group,
-        data_parallel_group=data_group if num_replicas > 1 else None,
+        group=run.pipeline_group,
+        data_parallel_group=run.data_group if num_replicas > 1 else None,
         device=device,
         seed=config.seed,
         deferred_batch_norm=True,  # per-micro-batch statistics, mini-batch running statistics
         timeout_s=config.timeout_s,
     )
     del model
+    set_quiet_io(pipe, config.quiet_io)
 
     # --- optimizer and learning-rate schedule from timm's factories -----------------------
     from timm.optim import create_optimizer_v2
@@ -536,13 +357,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                                 files={"run.json": run_json})
 
     eval_seconds_per_image: float | None = None
-    eval_images = split_images(config, config.eval_split)
+    eval_images = num_images(config, config.eval_split)
 
     def run_eval(split: str) -> dict[str, Any]:
         nonlocal eval_seconds_per_image
         begin = time.monotonic()
         with gp.collectives(f"evaluation on {split} at step {step}"):
-            metrics = evaluate_pipeline(pipe, config, comm, split, autocast)
+            metrics = evaluate_pipeline(pipe, config, run, split, autocast)
         eval_seconds_per_image = (time.monotonic() - begin) / max(metrics.images, 1)
         return metrics.report(classes, split=split)
 
@@ -612,14 +433,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
             # forward + backward through the pipeline; the targets travel first -> last stage
             with gp.collectives(f"targets of step {step + 1}"):
-                targets = comm.send_targets(batch[1] if batch is not None else None, target_like)
+                targets = run.broadcast_from_first_stage(batch[1] if batch is not None else None, target_like)
             optimizer.zero_grad(set_to_none=True)
             with autocast:
                 loss = pipe.step(batch[0] if batch is not None else None,
                                  targets if pipe.is_last else None)
             if num_replicas > 1:
                 with gp.collectives(f"loss of step {step + 1}"):
-                    dist.all_reduce(loss, group=data_group)
+                    dist.all_reduce(loss, group=run.data_group)
                 loss /= num_replicas
             optimizer.step()
             step += 1

@@ -10,13 +10,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from apps.common import check_pipeline_options
 from apps.config import ConfigError, load_config, parse_overrides
 from apps.nmt.model import transformer
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
-SCHEDULES = ("gpipe", "1f1b", "1f1b_slack1")
-CHECKPOINT_MODES = ("always", "except_last", "never")
 OPTIMIZERS = ("adam", "adafactor")
 LR_SCHEDULES = ("inverse_sqrt", "constant")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -70,7 +69,7 @@ class NMTConfig:
     # --- pipeline ---
     num_stages: int = 2  # K: pipeline stages (ranks under torchrun)
     chunks: int = 4  # M: micro-batches per mini-batch
-    schedule: str = "gpipe"  # "gpipe" (fill-drain), "1f1b" or "1f1b_slack1"
+    schedule: str = "gpipe"  # any name gpipe_core runs: "gpipe" (fill-drain), "1f1b", "1f1b_slackN"
     # re-materialisation: "always", "except_last", "never" (the CPU default has memory to spare
     # and no compute to spare, so it keeps activations; GPU configs use "except_last")
     checkpoint: str = "never"
@@ -97,6 +96,10 @@ class NMTConfig:
     device: str = "cpu"  # "cpu", "cuda", or "auto" (cuda if available, as the GPU configs use)
     bf16: bool = True  # bf16 autocast on GPU (ignored on CPU)
     num_threads: int = 1  # torch CPU threads per rank (2 stages x 1 thread = 2 cores)
+    # CPU knobs (gpipe_core.cpu; README "Using the library")
+    pin_cpus: bool = False  # pin each local rank to its own share of the cores (gp.bind_cpus)
+    hold_memory: bool = False  # keep freed blocks mapped, no fresh page faults (gp.hold_freed_memory)
+    quiet_io: bool = True  # keep gloo's I/O thread from preempting our sends/receives (library default)
     resume: bool = False  # continue from the last checkpoint in out_dir
     timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named
     max_loss_factor: float = 1000.0  # stop as diverged when the loss exceeds this many times ln(vocab_size), a uniform guess's loss (0 = never)
@@ -162,9 +165,9 @@ class NMTConfig:
                 f"sampling_temperature={self.sampling_temperature} must be > 0 "
                 "(1 samples languages by size, larger flattens towards uniform)"
             )
+        check_pipeline_options(schedule=self.schedule, checkpoint=self.checkpoint,
+                               num_stages=self.num_stages, chunks=self.chunks)
         choices = {
-            "schedule": SCHEDULES,
-            "checkpoint": CHECKPOINT_MODES,
             "optimizer": OPTIMIZERS,
             "lr_schedule": LR_SCHEDULES,
             "wandb_mode": WANDB_MODES,

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from apps import common
@@ -173,22 +172,18 @@ def translate(
     alpha: float,
     max_decode_len: int,
     device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
     max_src_tokens: int = 2048,
     max_sentences: int = 64,
-) -> list[str] | None:
-    """Detokenized beam-search translations of ``sentences`` (in their order).
-
-    With ``world_size > 1`` (torch.distributed initialised) every rank translates every
-    ``world_size``-th length-sorted batch and rank 0 gathers the results; other ranks get None.
-    Output length is bounded by ``max_decode_len`` and by twice the source length plus 8.
+) -> list[str]:
+    """Detokenized beam-search translations of ``sentences`` (in their order), in batches of
+    similar length. Output length is bounded by ``max_decode_len`` and by twice the source
+    length plus 8.
     """
     groups = _batches_by_length(
         sentences, max_src_tokens=max_src_tokens, max_sentences=max_sentences
     )
-    mine: dict[int, str] = {}
-    for group in groups[rank::world_size]:
+    translations: dict[int, str] = {}
+    for group in groups:
         src = _pad([sentences[i].src_ids for i in group], tokenizer.pad_id, device)
         max_len = min(max_decode_len, 2 * src.shape[1] + 8)
         ids = beam_search(
@@ -201,16 +196,8 @@ def translate(
             max_len=max_len,
         )
         for index, hypothesis in zip(group, ids, strict=True):
-            mine[index] = tokenizer.decode(hypothesis)
-    if world_size > 1:
-        gathered: list[dict[int, str] | None] = [None] * world_size
-        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-        if rank != 0:
-            return None
-        for part in gathered:
-            assert part is not None
-            mine.update(part)
-    return [mine[i] for i in range(len(sentences))]
+            translations[index] = tokenizer.decode(hypothesis)
+    return [translations[i] for i in range(len(sentences))]
 
 
 @torch.no_grad()
@@ -310,10 +297,8 @@ def evaluate(
     beam_size: int | None = None,
     alpha: float | None = None,
     device: torch.device | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-) -> Report | None:
-    """Translate ``split`` and score it; the report on rank 0, None on other ranks.
+) -> Report:
+    """Translate ``split`` and score it (in one process: the training run calls it on rank 0).
 
     ``languages`` None evaluates the trained languages that have ``split`` data (others are
     listed under ``skipped``); given explicitly, a language without data is an error.
@@ -342,11 +327,7 @@ def evaluate(
         alpha=config.length_penalty if alpha is None else alpha,
         max_decode_len=config.max_decode_len,
         device=device,
-        rank=rank,
-        world_size=world_size,
     )
-    if hypotheses is None:
-        return None
     report = score(sentences, hypotheses, buckets, train_counts)
     report.update(
         split=split,

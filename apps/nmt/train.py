@@ -18,7 +18,6 @@ masks, learning rates and optimizer moments as a run that never stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -38,16 +37,19 @@ from apps.common import (
     Interrupt,
     RunLogger,
     check_loss,
+    check_resumable,
     checkpoint_dir,
     load_train_state,
     on_rank0,
     refuse_existing_run,
     resume_checkpoint,
     run_main,
+    set_quiet_io,
+    setup_run,
     write_checkpoint,
 )
 from apps.config import ConfigError, save_config
-from apps.nmt.config import NMTConfig, build_model, load_nmt_config, model_kwargs, replace
+from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import Batch, CorpusError, TrainBatches, load_manifest, load_tokenizer
 from apps.nmt.evaluate import (
     TRAIN_COMMAND,
@@ -58,6 +60,19 @@ from apps.nmt.evaluate import (
     write_report,
 )
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
+
+# Config keys a resumed run may change (apps.common.check_resumable): budgets, logging,
+# evaluation, runtime, and the schedule and re-materialization mode (the library gives the same
+# step for any of them); every other key (model, tokens, data stream, partitioning,
+# optimisation, seed) must match the checkpoint's.
+RESUMABLE_CHANGES = frozenset({
+    "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
+    "ckpt_every", "wandb_project", "wandb_mode", "beam_size", "length_penalty", "max_decode_len",
+    "eval_max_sentences", "bucket_thresholds", "device", "bf16", "num_threads", "resume",
+    "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io", "schedule",
+    "checkpoint", "packages", "unk_id", "bos_id", "eos_id", "label_smoothing", "lr",
+    "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2", "clip_norm", "weight_decay",
+})
 
 # ---------------------------------------------------------------------------------------------
 # Helpers (the loop below reads top to bottom; these keep it short)
@@ -141,14 +156,6 @@ def loss_normalizer(target_tokens: int, num_replicas: int) -> float:
     return target_tokens / num_replicas
 
 
-def model_config_differs(saved: NMTConfig, config: NMTConfig) -> dict[str, tuple[Any, Any]]:
-    """Fields that shape the model or the data stream and differ between two configs."""
-    keys = [*model_kwargs(config), "seed", "max_tokens", "max_len", "sampling_temperature",
-            "languages", "data_dir", "num_stages", "chunks", "optimizer"]
-    old, new = dataclasses.asdict(saved), dataclasses.asdict(config)
-    return {k: (old[k], new[k]) for k in keys if old[k] != new[k]}
-
-
 def step_stats(pipe: gp.DistributedGPipe, num_stages: int, device: torch.device) -> dict[str, float]:
     """The step's largest |activation| per stage, largest |logit| (before clipping) and the
     fraction of logits beyond the clip bound, on every rank (one all-reduce over the world: the
@@ -189,20 +196,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     # --- config ---------------------------------------------------------------------------
     config = load_nmt_config(sys.argv[1:] if argv is None else argv)
-    torch.set_num_threads(config.num_threads)
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    # every collective fails within timeout_s (naming the rank that hangs); the one long wait,
-    # for rank 0 to prepare the corpus, is on the store instead (on_rank0)
-    pipeline_group, data_group = gp.init_process_groups(
-        config.num_stages, backend="nccl" if use_cuda else "gloo", timeout_s=config.timeout_s
-    )
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    num_replicas = world_size // config.num_stages
-    replica = rank // config.num_stages
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    master = rank == 0
+    # every collective fails within timeout_s (naming the rank that hangs); the long waits, for
+    # rank 0 to prepare the corpus or to evaluate, are on the store instead (on_rank0)
+    run = setup_run(num_stages=config.num_stages, device=config.device,
+                    num_threads=config.num_threads, timeout_s=config.timeout_s,
+                    pin_cpus=config.pin_cpus, hold_memory=config.hold_memory)
+    rank, world_size, device = run.rank, run.world_size, run.device
+    num_replicas, replica, master, say = run.num_replicas, run.replica, run.master, run.say
+    use_cuda = device.type == "cuda"
     out_dir = Path(config.out_dir)
-    say = print if master else (lambda *args, **kwargs: None)
 
     # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------
     on_rank0(lambda: prepare_corpus(config), what="preparing the corpus")
@@ -240,12 +242,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         schedule=config.schedule,
         loss_fn=loss_fn,
         loss_reduction="sum",  # divided by the step's target-token count (normalizer)
-        group=pipeline_group,
-        data_parallel_group=data_group if num_replicas > 1 else None,
+        group=run.pipeline_group,
+        data_parallel_group=run.data_group if num_replicas > 1 else None,
         device=device,
         seed=config.seed,
         timeout_s=config.timeout_s,
     )
+    set_quiet_io(pipe, config.quiet_io)
     optimizer = make_optimizer(config, list(pipe.parameters()))
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and config.bf16 else nullcontext()
@@ -267,12 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         resume_dir = resume_checkpoint(out_dir, train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
                                        verbose=master)
         saved_config = load_nmt_config([f"--config={resume_dir / 'config.yaml'}"])
-        differ = model_config_differs(saved_config, config)
-        if differ:
-            raise ConfigError(
-                f"--resume from {resume_dir}: the config differs in {differ} (saved, given); "
-                "resume with the saved settings or start a new out_dir"
-            )
+        check_resumable(saved_config, config, may_change=RESUMABLE_CHANGES, checkpoint=resume_dir)
         state = load_train_state(resume_dir, rank, world_size)
         pipe.load_checkpoint(resume_dir)
         optimizer.load_state_dict(state["optimizer"])
@@ -308,16 +306,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         return write_checkpoint(out_dir, step, pipe, state, config, rank=rank,
                                 files={"tokenizer.json": tokenizer_json})
 
-    def run_eval(path: Path, max_per_lang: int | None) -> dict[str, Any] | None:
-        """Dev BLEU of the checkpoint at ``path`` on the plain model; every rank translates a
-        share of the sentences, rank 0 scores them."""
-        plain = load_model(config, path, device)
-        report = evaluate(
-            plain, config, tokenizer, split="dev", max_per_lang=max_per_lang, device=device,
-            rank=rank, world_size=world_size,
-        )
-        del plain
-        return report
+    def run_eval(path: Path, *, what: str, dev_loss: bool = False) -> dict[str, Any] | None:
+        """Dev BLEU (and with ``dev_loss`` the dev loss per target token, as ``"dev_loss"``) of
+        the checkpoint at ``path``, on rank 0 only; None on the other ranks.
+
+        The plain model is the whole model, so only rank 0 builds it (from the checkpoint it
+        just wrote): no other rank ever holds more than its own stage. The others wait for it
+        on the store (on_rank0: not bounded by timeout_s, as an evaluation takes minutes).
+        One rank translates every sentence, so an evaluation takes about R*K times as long as
+        when every rank translated a share; the scores are the same. Evaluating through the
+        pipeline itself, so that no rank holds the whole model, is a separate issue.
+        """
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            plain = load_model(config, path, device)
+            report = evaluate(plain, config, tokenizer, split="dev",
+                              max_per_lang=config.eval_max_sentences, device=device)
+            if dev_loss:
+                report["dev_loss"] = mean_token_loss(
+                    plain, config, split="dev", max_per_lang=config.eval_max_sentences,
+                    device=device)
+            result["report"] = report
+
+        on_rank0(work, what=what)
+        return result.get("report")
 
     # --- training loop --------------------------------------------------------------------
     from tqdm import tqdm
@@ -377,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             )
         if num_replicas > 1:
             with gp.collectives(f"loss of step {step + 1}"):
-                dist.all_reduce(loss, group=data_group)
+                dist.all_reduce(loss, group=run.data_group)
         grad_norm = pipe.clip_grad_norm_(config.clip_norm) if config.clip_norm > 0 else None
         optimizer.step()
         step += 1
@@ -430,8 +443,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             path = save(step)
             last_saved = step
         if due_eval and step < config.max_steps:  # the final evaluation follows the loop
-            with gp.collectives(f"dev evaluation at step {step}"):
-                report = run_eval(path, config.eval_max_sentences)
+            report = run_eval(path, what=f"dev evaluation at step {step}")
             if report is not None:
                 lines = format_report(report, examples=0).splitlines()
                 bar.write(f"step {step} dev BLEU:\n" + "\n".join(lines[1:5]))
@@ -452,13 +464,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
         f"checkpoint {path}"
     )
-    with gp.collectives("final dev evaluation"):
-        report = run_eval(path, config.eval_max_sentences)
+    report = run_eval(path, what="the final dev evaluation", dev_loss=True)
     summary = None
     if master:
         assert report is not None
-        dev_loss = mean_token_loss(load_model(config, path, device), config, split="dev",
-                                   max_per_lang=config.eval_max_sentences, device=device)
+        dev_loss = report.pop("dev_loss")
         write_report(report, out_dir / "dev_bleu.json")
         say(format_report(report))
         summary = {
@@ -480,8 +490,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         logger.metrics({f"dev/final_bleu_{b}": v["bleu"] for b, v in report["buckets"].items()},
                        step)
     logger.close()
-    # the others wait while rank 0 scores the dev loss: on the store, not bounded by timeout_s
-    on_rank0(lambda: None, what="the end of the run")
+    on_rank0(lambda: None, what="the end of the run")  # the others wait for rank 0's report
     interrupt.restore()
     dist.destroy_process_group()
     return summary

@@ -1,0 +1,73 @@
+"""What both apps share (apps/common.py): pipeline options asked of the library, resume checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apps import common
+from apps.amoebanet import train as amoebanet_train
+from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config
+from apps.config import ConfigError
+from apps.nmt import train as nmt_train
+from apps.nmt.config import NMTConfig, load_nmt_config
+
+LOADERS: list[Callable[[list[str]], Any]] = [load_nmt_config, load_amoebanet_config]
+
+
+@pytest.mark.parametrize("load", LOADERS, ids=["nmt", "amoebanet"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b_slack1", "1f1b_slack2"])
+def test_apps_accept_every_schedule_the_library_runs(load: Callable[..., Any],
+                                                     schedule: str) -> None:
+    assert load([f"--schedule={schedule}"]).schedule == schedule
+
+
+@pytest.mark.parametrize("load", LOADERS, ids=["nmt", "amoebanet"])
+def test_a_bogus_schedule_gets_the_library_error(load: Callable[..., Any]) -> None:
+    # the library's own message: the names it knows, and the 1f1b_slackN family
+    with pytest.raises(ConfigError, match=r"schedule='zigzag': unknown schedule 'zigzag'; "
+                                          r"choose one of .*'1f1b_slackN'"):
+        load(["--schedule=zigzag"])
+
+
+@pytest.mark.parametrize("load", LOADERS, ids=["nmt", "amoebanet"])
+def test_checkpoint_modes_are_the_library_s(load: Callable[..., Any]) -> None:
+    from gpipe_core.checkpoint import CHECKPOINT_MODES
+
+    for mode in CHECKPOINT_MODES:
+        assert load([f"--checkpoint={mode}"]).checkpoint == mode
+    with pytest.raises(ConfigError, match="checkpoint='sometimes' is not one of"):
+        load(["--checkpoint=sometimes"])
+
+
+@pytest.mark.parametrize("load", LOADERS, ids=["nmt", "amoebanet"])
+def test_cpu_knobs_are_config_options(load: Callable[..., Any]) -> None:
+    config = load(["--pin_cpus=true", "--hold_memory=true", "--quiet_io=false"])
+    assert (config.pin_cpus, config.hold_memory, config.quiet_io) == (True, True, False)
+
+
+@pytest.mark.parametrize(
+    ("cls", "may_change"),
+    [(NMTConfig, nmt_train.RESUMABLE_CHANGES),
+     (AmoebaNetConfig, amoebanet_train.RESUMABLE_CHANGES)],
+    ids=["nmt", "amoebanet"],
+)
+def test_resume_may_change_only_the_listed_keys(cls: type, may_change: frozenset[str]) -> None:
+    saved = cls()
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert may_change <= fields
+    common.check_resumable(saved, dataclasses.replace(saved, out_dir="elsewhere",
+                                                      log_every=7),
+                           may_change=may_change, checkpoint=Path("ckpt"))
+    # the model, its partitioning and the data stream must match (an allow-list: a key not
+    # listed must match, so a new key is safe until someone decides otherwise)
+    for key, value in (("seed", 1), ("chunks", 8), ("balance", (6, 6))):
+        changed = dataclasses.replace(saved, **{key: value})
+        with pytest.raises(ConfigError, match=rf"--resume from ckpt: the config differs in "
+                                              rf"\{{'{key}'"):
+            common.check_resumable(saved, changed, may_change=may_change,
+                                   checkpoint=Path("ckpt"))
