@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str]) -> tuple[RunOptions, AmoebaNetConfig]:
     """Split ``--resume`` / ``--max_steps`` from the config keys; resolve and validate both."""
     config_path, overrides = parse_overrides(argv)
     run_keys = {f.name for f in dataclasses.fields(RunOptions)}
-    run = load_config(RunOptions, [f"--{k}={v}" for k, v in overrides.items() if k in run_keys])
+    options = load_config(RunOptions, [f"--{k}={v}" for k, v in overrides.items() if k in run_keys])
     path = Path(config_path) if config_path else DEFAULT_CONFIG
     if not path.is_file() and (CONFIG_DIR / f"{path.name}.yaml").is_file():
         path = CONFIG_DIR / f"{path.name}.yaml"  # --config=tiny_test
@@ -124,9 +124,9 @@ def parse_args(argv: Sequence[str]) -> tuple[RunOptions, AmoebaNetConfig]:
         config = load_amoebanet_config(config_argv)
     except ConfigError as error:
         raise ConfigError(f"{error}; run options: --resume, --max_steps=N") from None
-    if run.max_steps < 0:
-        raise ConfigError(f"max_steps={run.max_steps} must be >= 0 (0 = no limit)")
-    return run, config
+    if options.max_steps < 0:
+        raise ConfigError(f"max_steps={options.max_steps} must be >= 0 (0 = no limit)")
+    return options, config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     started = time.monotonic()
 
     # --- config (errors here stop every rank before any process group exists) -------------
-    run, config = parse_args(sys.argv[1:] if argv is None else argv)
+    options, config = parse_args(sys.argv[1:] if argv is None else argv)
     check_dataset(config)
     # one thread per rank: the stages are the parallelism on CPU; every collective fails within
     # timeout_s (naming the rank that hangs); the one long wait, for rank 0 to prepare the data,
@@ -253,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- resume: what the checkpoint fixes (balance, counters) ------------------------------
     resume_dir: Path | None = None
     state: dict[str, Any] = {}
-    if run.resume:
+    if options.resume:
         # the newest checkpoint whose files all verify (an older one, with a warning, if the
         # newest is damaged)
         resume_dir = resume_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
@@ -378,13 +378,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     from tqdm import tqdm
 
     total_steps = config.epochs * updates_per_epoch
-    if run.max_steps:
-        total_steps = min(total_steps, run.max_steps)
+    if options.max_steps:
+        total_steps = min(total_steps, options.max_steps)
     bar = tqdm(total=total_steps, initial=step, disable=not master, dynamic_ncols=True,
                file=sys.stderr, mininterval=2.0, unit="step")
     window_loss, window_steps, window_start = 0.0, 0, time.monotonic()
     run_images_per_second = images_seen / train_seconds if train_seconds else 0.0
-    last_saved = step if run.resume else -1
+    last_saved = step if options.resume else -1
     stop_reason = ""
     batch_shape = (config.batch_size, config.num_classes) if soft_targets else (config.batch_size,)
     target_like = torch.empty(batch_shape, dtype=torch.float32 if soft_targets else torch.int64)
@@ -402,8 +402,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             batch = next(batches, None) if batches is not None else None
             keep_going = True
             if master:
-                if run.max_steps and step >= run.max_steps:
-                    stop_reason = f"max_steps={run.max_steps}"
+                if options.max_steps and step >= options.max_steps:
+                    stop_reason = f"max_steps={options.max_steps}"
                 elif config.max_minutes:
                     left = 60 * config.max_minutes - (time.monotonic() - started)
                     if step > 0 and left < final_eval_reserve(run_images_per_second):
