@@ -144,7 +144,7 @@ def set_quiet_io(pipe: gp.DistributedGPipe, enabled: bool) -> None:
     ``enabled=False`` restores plain gloo behaviour (for measuring what quieting is worth). The
     library has no public switch for it yet, so this sets the transport's attribute.
     """
-    if not enabled and hasattr(pipe, "transport"):
+    if not enabled:
         pipe.transport.quiet_io = None
 
 

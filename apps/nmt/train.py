@@ -14,6 +14,10 @@ names, per-rank optimizer / data-stream / step state, the resolved ``config.yaml
 tokenizer fingerprint), a ``latest`` pointer, ``log.jsonl`` (one line per step) and the final
 ``dev_bleu.json``. ``--resume`` continues from ``latest`` exactly: the same batches, dropout
 masks, learning rates and optimizer moments as a run that never stopped.
+
+Dev evaluation (every ``eval_every`` steps and at the end) runs on rank 0 alone, on the plain
+model loaded from the checkpoint just written; the other ranks wait for it (``run_eval``), so
+only rank 0 ever builds the whole model, and only while it evaluates.
 """
 
 from __future__ import annotations
