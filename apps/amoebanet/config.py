@@ -64,9 +64,9 @@ class AmoebaNetConfig:
     balance: tuple[int, ...] | None = None  # layers per stage; None = by measured time (by parameters above 50M)
     timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named
 
-    # --- CPU knobs (gpipe_core.cpu; README "Using the library") --------------------------------
+    # --- CPU knobs (gpipe_core.cpu; measured in docs/RESULTS.md) -----------------------------
     pin_cpus: bool = False  # pin each local rank to its own share of the cores (gp.bind_cpus)
-    hold_memory: bool = False  # keep freed blocks mapped, no fresh page faults (gp.hold_freed_memory)
+    hold_memory: bool = True  # keep freed blocks mapped, fewer page faults (gp.hold_freed_memory)
     quiet_io: bool = True  # keep gloo's I/O thread from preempting our sends/receives (library default)
 
     # --- optimisation --------------------------------------------------------------------------

@@ -96,9 +96,9 @@ class NMTConfig:
     device: str = "cpu"  # "cpu", "cuda", or "auto" (cuda if available, as the GPU configs use)
     bf16: bool = True  # bf16 autocast on GPU (ignored on CPU)
     num_threads: int = 1  # torch CPU threads per rank (2 stages x 1 thread = 2 cores)
-    # CPU knobs (gpipe_core.cpu; README "Using the library")
+    # CPU knobs (gpipe_core.cpu; measured in docs/RESULTS.md)
     pin_cpus: bool = False  # pin each local rank to its own share of the cores (gp.bind_cpus)
-    hold_memory: bool = False  # keep freed blocks mapped, no fresh page faults (gp.hold_freed_memory)
+    hold_memory: bool = True  # keep freed blocks mapped, half the page faults (gp.hold_freed_memory)
     quiet_io: bool = True  # keep gloo's I/O thread from preempting our sends/receives (library default)
     resume: bool = False  # continue from the last checkpoint in out_dir
     timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named

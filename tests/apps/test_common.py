@@ -71,3 +71,13 @@ def test_resume_may_change_only_the_listed_keys(cls: type, may_change: frozenset
                                               rf"\{{'{key}'"):
             common.check_resumable(saved, changed, may_change=may_change,
                                    checkpoint=Path("ckpt"))
+
+
+def test_cpu_defaults_hold_memory_and_do_not_pin() -> None:
+    # docs/RESULTS.md, "The apps' CPU knobs": holding freed memory halved NMT's page faults;
+    # pinning showed no gain on the shared 2 cores
+    from apps.amoebanet.config import DEFAULT_CONFIG
+
+    for config in (load_nmt_config([]), load_nmt_config(["--config=cpu_default"]),
+                   load_amoebanet_config([f"--config={DEFAULT_CONFIG}"])):
+        assert (config.pin_cpus, config.hold_memory, config.quiet_io) == (False, True, True)
