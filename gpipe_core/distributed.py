@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import CHECKPOINT_MODES, fork_rng
+from .remat import CHECKPOINT_MODES, fork_rng
 from .cpu import bind_cpus, hold_freed_memory
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, scatter

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import CHECKPOINT_MODES
 from .microbatch import flatten, gather, scatter, unflatten
 from .partition import split_module, verify_module
+from .remat import CHECKPOINT_MODES
 from .runtime import StageRuntime, StepState
 from .schedule import Action, Schedule, gpipe
 from .stage import Stage

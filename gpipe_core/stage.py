@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .batchnorm import DeferredBatchNorm, frozen_running_stats
-from .checkpoint import checkpoint_stop, fork_rng, layer_seeds, seed_rng
 from .microbatch import flatten, unflatten
+from .remat import checkpoint_stop, fork_rng, layer_seeds, seed_rng
 
 __all__ = ["Stage", "LossFn"]
 
