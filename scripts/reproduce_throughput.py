@@ -57,9 +57,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gpipe_core as gp
-from gpipe_core.checkpoint import checkpoint_stop
 from gpipe_core.microbatch import scatter
 from gpipe_core.partition import optimal_balance
+from gpipe_core.remat import checkpoint_stop
 from gpipe_core.schedule import get_schedule
 from scripts.bench_pipeline import step_memory_mb, timed_step
 from scripts.reproduction import (
