@@ -320,11 +320,26 @@ class DistributedTransport(Transport):
     def finish(self) -> None:
         pending, self._pending = self._pending, []
         for work, _buffer, stage in pending:
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as exc:
-                rank = self.stage_ranks[stage]
-                raise PeerError(rank, stage, f"send did not complete ({exc})") from exc
+            self._wait_sent(work, stage)
+
+    def _wait_sent(self, work: Any, stage: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            rank = self.stage_ranks[stage]
+            raise PeerError(rank, stage, f"send did not complete ({exc})") from exc
+
+    def _release_sent(self) -> None:
+        """Free the buffers of sends that have left (a step would otherwise hold every message
+        it sent until :meth:`finish`: M activations or gradients on a stage); a failed one
+        raises here as it would there."""
+        still = []
+        for work, buffer, stage in self._pending:
+            if work.is_completed():
+                self._wait_sent(work, stage)
+            else:
+                still.append((work, buffer, stage))
+        self._pending = still
 
     # -- control messages outside steps ----------------------------------------------------
 
@@ -350,6 +365,7 @@ class DistributedTransport(Transport):
             work = self.policy.call(dist.isend, tensor, rank, tag)
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"send failed ({exc})") from exc
+        self._release_sent()
         self._pending.append((work, tensor, stage))  # keep the buffer alive until it has left
 
     def _post_recv(self, stage: int, nbytes: int) -> tuple[Any, Tensor]:

@@ -324,9 +324,10 @@ def predicted_memory_mb(schedule: Any, stages: list[StageMemory], checkpoint: st
     """Each stage's peak tensor memory in a step above its start, walking its actions in order.
 
     What ``DistributedGPipe`` holds: per pending micro-batch its received input and, unless
-    re-materialized, its saved tensors; every message sent in the step (the transport keeps a
-    send's buffer until the step's end); its gradients from its first backward on; and during
-    an action the action's own extra (a re-materialized backward recomputes the saved tensors).
+    re-materialized, its saved tensors; the last message it sent (the transport frees a send's
+    buffer once it has left, which it checks at the next send); its gradients from its first
+    backward on; and during an action the action's own extra (a re-materialized backward
+    recomputes the saved tensors).
     """
     stop = checkpoint_stop(checkpoint, schedule.num_microbatches)
     peaks = []
@@ -338,12 +339,14 @@ def predicted_memory_mb(schedule: Any, stages: list[StageMemory], checkpoint: st
             if action.kind == "F":
                 peak = max(peak, kept + st.received + sent + grads + st.extra)
                 kept += st.received + mine
-                sent += st.sent
+                if s < len(stages) - 1:
+                    sent = st.sent
             else:
                 peak = max(peak, kept - mine + sent + grads + st.extra)
                 kept -= st.received + mine
                 grads = st.grads
-                sent += st.received  # the input gradient goes back
+                if s > 0:
+                    sent = st.received  # the input gradient goes back
             peak = max(peak, kept + sent + grads)
         peaks.append(peak / MB)
     return peaks

@@ -103,11 +103,12 @@ def test_predicted_memory_walks_a_stage_by_hand() -> None:
     first = StageMemory(saved=10 * MB, extra=12 * MB, received=0, sent=1 * MB, grads=5 * MB)
     last = StageMemory(saved=20 * MB, extra=25 * MB, received=1 * MB, sent=0, grads=3 * MB)
     schedule = get_schedule("gpipe", 2, 2)  # F0 F1 B1 B0 on each stage
-    # Stage 0 without re-materialization: F0 (12), then holds 10 + 1 sent; F1 peaks at
-    # 11 + 12 = 23; holds 22; B1: 22 - 10 + 12 = 24; then 11 + 5 grads = 16; B0: 16 - 10 + 12.
+    # Stage 0 without re-materialization: F0 peaks at 12, then holds 10 + its message (1); F1
+    # peaks at 11 + 12 = 23 and holds 20 + 1 (only the newest message); B1: 21 - 10 + 12 = 23;
+    # then 10 + 1 + 5 gradients; B0: 16 - 10 + 12 = 18.
     # Stage 1: F0 1 + 25 = 26, holds 21; F1 21 + 1 + 25 = 47, holds 42; B1 peaks at
     # 42 - 20 + 25 = 47; afterwards 21 + 1 sent + 3 grads = 25; B0: 25 - 20 + 25 = 30.
-    assert predicted_memory_mb(schedule, [first, last], "never") == [24, 47]
+    assert predicted_memory_mb(schedule, [first, last], "never") == [23, 47]
     # Re-materializing everything: stage 1 keeps only its inputs (1 each) and recomputes.
     # F0: 0 + 1 + 25 = 26; F1: 1 + 1 + 25 = 27; B1: 2 + 25 = 27; B0: 1 + 1 + 3 + 25 = 30.
     assert predicted_memory_mb(schedule, [first, last], "always")[1] == 30

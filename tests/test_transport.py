@@ -86,6 +86,9 @@ class _Work:
     def __init__(self, done: bool = True, match: Any = None) -> None:
         self.done, self.match = done, match
 
+    def is_completed(self) -> bool:
+        return self.done
+
     def wait(self, timeout: Any = None) -> bool:
         if not self.done:
             self.match()
@@ -196,3 +199,17 @@ def test_a_truncated_message_is_a_wire_error() -> None:
     network.send(damaged, 0, 1, 1)
     with pytest.raises(wire.WireError, match="unknown message kind"):
         second.recv_step(0)
+
+
+def test_sends_that_have_left_are_released_before_the_step_ends() -> None:
+    # Otherwise a stage would hold every message of a step (M activations) until finish().
+    network = Network()
+    first, _ = pair(network)
+    first.begin_step(0, 4, backward=False)
+    for mb in range(4):
+        first.send_activation(mb, torch.ones(1000))
+        assert len(first._pending) == 1  # the earlier sends completed: only the newest is held
+    in_flight = _Work(done=False, match=lambda: None)
+    first._pending.append((in_flight, torch.ones(1), 1))
+    first._release_sent()
+    assert first._pending[-1][0] is in_flight  # a send still in flight keeps its buffer
