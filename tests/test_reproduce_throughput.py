@@ -112,3 +112,21 @@ def test_predicted_memory_walks_a_stage_by_hand() -> None:
     # Re-materializing everything: stage 1 keeps only its inputs (1 each) and recomputes.
     # F0: 0 + 1 + 25 = 26; F1: 1 + 1 + 25 = 27; B1: 2 + 25 = 27; B0: 1 + 1 + 3 + 25 = 30.
     assert predicted_memory_mb(schedule, [first, last], "always")[1] == 30
+
+
+def test_app_efficiency_against_the_bubble() -> None:
+    from scripts.app_efficiency import summarize
+
+    def row(m: int, checkpoint: str, seconds: float, memory: list[float]) -> dict:
+        return {"M": m, "schedule": "gpipe", "checkpoint": checkpoint, "seconds": seconds,
+                "compute_per_step": [0.1, 0.1], "wait_per_step": [0.0, 0.0],
+                "step_memory_mb_per_rank": memory}
+
+    report = {"config": {"balance": "time"}, "families": {"nmt_app": {
+        "balance": [7, 7], "plain_seconds": {"4": 1.0},
+        "rows": [row(4, "never", 0.625, [100.0, 80.0]), row(4, "except_last", 0.75, [25.0, 40.0])]}}}
+    (summary,) = summarize(report)
+    assert summary["speedup"] == 1.6 and summary["efficiency"] == 0.8
+    assert summary["bubble_ideal"] == 0.8  # M / (M + K - 1) = 4 / 5
+    assert summary["remat_overhead"] == pytest.approx(0.2)
+    assert summary["remat_memory_saved"] == [0.75, 0.5]
