@@ -36,7 +36,7 @@ from torch import Tensor
 
 import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
-from gpipe_core.checkpoint import CHECKPOINT_MODES
+from gpipe_core.remat import CHECKPOINT_MODES
 from gpipe_core.schedule import get_schedule
 from gpipe_core.storage import torch_load
 
@@ -145,7 +145,7 @@ def set_quiet_io(pipe: gp.DistributedGPipe, enabled: bool) -> None:
     library has no public switch for it yet, so this sets the transport's attribute.
     """
     if not enabled:
-        pipe.transport.quiet_io = None
+        pipe.transport.policy.quiet_io = None
 
 
 def check_resumable(saved: Any, config: Any, *, may_change: Collection[str],

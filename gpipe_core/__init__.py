@@ -2,20 +2,15 @@
 
 from .batchnorm import DeferredBatchNorm
 from .cpu import bind_cpus, hold_freed_memory
-from .distributed import (
-    DistributedGPipe,
-    PipelineFailure,
-    collectives,
-    init_process_groups,
-    load_checkpoint,
-    report_failure,
-    save_checkpoint,
-)
+from .distributed import DistributedGPipe
+from .failure import PipelineFailure, collectives, report_failure
 from .gpipe import GPipe
+from .groups import init_process_groups
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import Plan, plan
 from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
+from .shards import load_shards, save_shards
 from .simulate import Simulation, simulate
 from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 
@@ -28,8 +23,8 @@ __all__ = [
     "report_failure",
     "bind_cpus",
     "hold_freed_memory",
-    "load_checkpoint",
-    "save_checkpoint",
+    "load_shards",
+    "save_shards",
     "verify_checkpoint",
     "write_atomic",
     "CheckpointCorruptError",

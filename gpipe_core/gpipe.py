@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from .batchnorm import DeferredBatchNorm
-from .checkpoint import CHECKPOINT_MODES
 from .microbatch import flatten, gather, scatter, unflatten
 from .partition import split_module, verify_module
-from .runtime import StageRuntime, StepState
+from .remat import CHECKPOINT_MODES
+from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Action, Schedule, gpipe
 from .stage import Stage
 from .transport import LocalTransport, Mailbox
@@ -33,9 +33,10 @@ from .transport import LocalTransport, Mailbox
 __all__ = ["GPipe"]
 
 Device = torch.device | str | int
+_TENSOR = object()  # marks a tensor leaf of the pipeline's output
 
 
-class GPipe(nn.Module):
+class GPipe(StepCounter, nn.Module):
     """Pipeline-parallel wrapper of an ``nn.Sequential`` for one process (one or many devices).
 
     Args:
@@ -120,15 +121,6 @@ class GPipe(nn.Module):
         return iter(self._modules.values())  # type: ignore[arg-type]
 
     @property
-    def steps_done(self) -> int:
-        """Forward passes run so far; part of every layer's random seed (restore on resume)."""
-        return self._step
-
-    @steps_done.setter
-    def steps_done(self, value: int) -> None:
-        self._step = int(value)
-
-    @property
     def num_stages(self) -> int:
         return len(self.stages)
 
@@ -158,7 +150,7 @@ class GPipe(nn.Module):
         step = self._step
         self._step += 1
         first_device = self.devices[0]
-        state = StepState(step, num_microbatches)
+        state = StepState(step, num_microbatches, backward=torch.is_grad_enabled())
         state.inputs = [
             unflatten([_to(x, first_device) for x in flatten(mb)[0]], flatten(mb)[1])
             for mb in microbatches
@@ -168,8 +160,8 @@ class GPipe(nn.Module):
             StageRuntime(stage, LocalTransport(stage.stage_index, self.devices, mailbox))
             for stage in self.stages
         ]
-        for stage in self.stages:
-            stage.begin_step(step, num_microbatches)
+        for runtime in runtimes:
+            runtime.begin_step(state)
         clock = self.schedule(num_microbatches).clock()
         forward_actions = [a for tick in clock for a in tick if a.kind == "F"]
         backward_actions = [a for tick in clock for a in tick if a.kind == "B"]
@@ -209,6 +201,7 @@ class _Run:
         self.mb_sizes = mb_sizes
         self.output_spec = output_spec
         self.output_mb_sizes = output_mb_sizes
+        self.output_leaves: list[Any] = []  # set by _PipelineBackward.forward, read by _connect
         stages = [r.stage for r in runtimes]
         weakref.finalize(self, _discard, stages, state.step)
 
@@ -255,13 +248,10 @@ def _connect(
     state.outputs = {mb: out for mb, out in enumerate(outputs)}
     phony = torch.empty(0, requires_grad=True)
     grad_inputs = [input_leaves[i] for i in input_positions]
-    results = _PipelineBackward.apply(run, phony, *grad_inputs)
-    tensor_iter = iter(results)
-    gathered_leaves = []
-    gathered = _gather_leaves(outputs)
-    for leaf in gathered:
-        gathered_leaves.append(next(tensor_iter) if isinstance(leaf, Tensor) else leaf)
-    return unflatten(gathered_leaves, output_spec)
+    results = iter(_PipelineBackward.apply(run, phony, *grad_inputs))
+    # The gathered output's non-tensor leaves, with _TENSOR where _PipelineBackward's tensors go.
+    leaves, run.output_leaves = run.output_leaves, []
+    return unflatten([next(results) if x is _TENSOR else x for x in leaves], output_spec)
 
 
 def _gather_leaves(outputs: list[Any]) -> list[Any]:
@@ -289,6 +279,7 @@ class _PipelineBackward(torch.autograd.Function):
         ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
         ctx.num_tensors = len(tensors)
         ctx.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+        run.output_leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
         return tuple(tensors)
 
     @staticmethod

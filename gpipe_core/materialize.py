@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .checkpoint import derive_seed, fork_rng, seed_rng
+from .remat import derive_seed, fork_rng, seed_rng
 
 __all__ = ["materialize", "materialize_layer", "is_meta", "InitFn"]
 

@@ -76,12 +76,16 @@ def verify_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
     return balance
 
 
-def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[list[tuple[str, nn.Module]]]:
+def split_module(
+    module: nn.Sequential, balance: Sequence[int], *, tie_first_last: bool = False
+) -> list[list[tuple[str, nn.Module]]]:
     """Cut ``module`` into ``len(balance)`` lists of ``(name, layer)``, in order.
 
     Raises when a parameter is shared by layers of two different partitions: each partition's
     gradients are computed separately, so a shared parameter would silently get only part of its
-    gradient. (DistributedGPipe supports one explicit tie; see ``tied_parameters``.)
+    gradient. ``tie_first_last`` allows sharing between the first and the last partition only:
+    ``DistributedGPipe(tied=(first_name, last_name))`` keeps such a tied weight's two copies
+    equal and sums their gradients.
     """
     verify_module(module)
     balance = verify_balance(module, balance)
@@ -92,6 +96,7 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[list[tup
     for size in balance:
         partitions.append(named[start : start + size])
         start += size
+    ends = {0, len(partitions) - 1}
     owner: dict[int, tuple[int, str]] = {}
     for index, partition in enumerate(partitions):
         for layer_name, layer in partition:
@@ -99,6 +104,8 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> list[list[tup
                 key = id(param)
                 if key in owner and owner[key][0] != index:
                     other_index, other_name = owner[key]
+                    if tie_first_last and {other_index, index} == ends:
+                        continue
                     raise ValueError(
                         f"parameter {layer_name}.{param_name} is shared with {other_name} "
                         f"across partitions {other_index} and {index}; move the layers that "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .checkpoint import checkpoint_stop
+from .remat import checkpoint_stop
 from .runtime import TimelineEvent
 from .schedule import Schedule
 

@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .batchnorm import DeferredBatchNorm, frozen_running_stats
-from .checkpoint import checkpoint_stop, fork_rng, layer_seeds, seed_rng
 from .microbatch import flatten, unflatten
+from .remat import checkpoint_stop, fork_rng, layer_seeds, seed_rng
 
-__all__ = ["Stage", "LossFn"]
+__all__ = ["Stage", "StagePosition", "LossFn"]
 
 LossFn = Callable[[Any, Any], Tensor]
 Grads = list[Tensor | None]
@@ -42,7 +42,22 @@ class _Saved:
     targets: Any
 
 
-class Stage:
+class StagePosition:
+    """``is_first`` and ``is_last`` of anything that has ``stage_index`` and ``num_stages``."""
+
+    stage_index: int
+    num_stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+
+class Stage(StagePosition):
     """Partition ``stage_index`` of ``num_stages``: the layers ``layers`` placed on ``device``."""
 
     def __init__(
@@ -81,14 +96,6 @@ class Stage:
         self._num_microbatches: dict[int, int] = {}
         self.losses: dict[tuple[int, int], Tensor] = {}
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
-
     # -- bookkeeping -----------------------------------------------------------------------
 
     def begin_step(self, step: int, num_microbatches: int) -> None:
@@ -104,6 +111,15 @@ class Stage:
             del self.losses[key]
         self._num_microbatches.pop(step, None)
         self._forwards_done.pop(step, None)
+
+    def step_loss(self, step: int) -> Tensor | None:
+        """The step's micro-batch losses summed in float64 (None without a ``loss_fn``)."""
+        if self.loss_fn is None:
+            return None
+        loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        for mb in range(self._num_microbatches[step]):
+            loss += self.losses[(step, mb)].double()
+        return loss
 
     @property
     def num_saved(self) -> int:

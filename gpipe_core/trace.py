@@ -5,10 +5,23 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import torch.distributed as dist
+
+from .failure import collectives
 from .runtime import TimelineEvent
 
-__all__ = ["write_chrome_trace", "write_timeline_png", "bubble_fraction"]
+__all__ = ["gather_timelines", "write_chrome_trace", "write_timeline_png", "bubble_fraction"]
+
+
+def gather_timelines(events: Sequence[TimelineEvent], *, group: Any) -> list[TimelineEvent]:
+    """Every rank's events of ``group``, merged in rank order. Collective over ``group``."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    local = [(e.stage, e.action, e.start, e.end) for e in events]
+    with collectives("trace"):
+        dist.all_gather_object(gathered, (dist.get_rank(), local), group=group)
+    return [TimelineEvent(*e) for _, rank_events in gathered for e in rank_events]
 
 
 def write_chrome_trace(events: Sequence[TimelineEvent], path: str | Path) -> None:

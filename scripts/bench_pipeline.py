@@ -186,7 +186,7 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
         pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
                                    checkpoint=checkpoint, loss_fn=loss_fn)
         if not quiet_io:
-            pipe.transport.quiet_io = None
+            pipe.transport.policy.quiet_io = None
 
         def ours() -> None:
             pipe.zero_grad(set_to_none=True)

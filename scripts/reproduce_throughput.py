@@ -17,13 +17,16 @@ each pinned to its own core (``gp.bind_cpus``) and keeping freed memory mapped
    process on the whole batch, and ``DistributedGPipe`` at K=2 with the balance
    ``balance_by_time`` would choose (optimal min-max cut of the measured per-layer
    forward+backward time), for several schedules and re-materialization modes. Each step's
-   time is its slowest rank's. Each rank's peak resident memory during a step, above its
-   resident size just before it with the gradients freed, is recorded once per configuration.
+   time is its slowest rank's. Each rank's peak tensor memory during a step (storages alive at
+   once, ``LiveTensorBytes``: the CPU analogue of ``torch.cuda.max_memory_allocated``) above
+   what it held before the step (parameters, buffers, the batch; gradients freed) is recorded
+   once per configuration, and beside it the peak resident memory above the resident size.
 3. **Predicted.** ``gp.simulate`` on the same schedule, with stage costs summed from the
    layer costs, the no-autograd forward for re-materialized micro-batches, the recomputation
-   in backward, and the fitted transfer time of the boundary's payload; peak memory as the
-   stage's gradients plus the activations the simulation keeps (meta sizes) plus, when
-   re-materializing, one micro-batch's saved activations during its backward.
+   in backward, and the fitted transfer time of the boundary's payload. Peak memory by walking
+   each stage's actions (``predicted_memory_mb``) with sizes measured on one real micro-batch
+   (``stage_memory``): saved tensors, input and output messages, gradients, and the most an
+   action adds while it runs.
 4. **Table 2.** Measured K=2 throughput for M = 1, 4, 8, 32 (fill-drain, ``except_last`` as
    in the paper), normalised to K=2, M=1; predicted for K = 2, 4, 8, 16 from the same costs.
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -53,16 +57,21 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gpipe_core as gp
-from gpipe_core.checkpoint import checkpoint_stop
 from gpipe_core.microbatch import scatter
 from gpipe_core.partition import optimal_balance
+from gpipe_core.remat import checkpoint_stop
 from gpipe_core.schedule import get_schedule
 from scripts.bench_pipeline import step_memory_mb, timed_step
 from scripts.reproduction import (
+    APP_FAMILIES,
     THROUGHPUT_FAMILIES,
     TINY_THROUGHPUT_FAMILIES,
     Family,
+    LiveTensorBytes,
+    Size,
+    layer_memory,
     layer_sizes,
+    nbytes,
 )
 
 K = 2  # measured pipelines: two processes on this 2-core machine
@@ -275,14 +284,72 @@ def calibrate(costs: LayerCosts, rows: list[dict[str, Any]], m: int, balance: li
                       [c * scale_b[stage_of[i]] for i, c in enumerate(costs.backward)])
 
 
-def predicted_memory_mb(sim: gp.Simulation, sizes: Any, param_bytes: list[float],
-                        balance: list[int], checkpoint: str, m: int) -> list[float]:
-    """Per stage: gradients + activations kept at the simulated peak + one micro-batch's
-    saved activations while it is recomputed (re-materialized modes only)."""
-    saved = stage_sums(sizes.saved, balance)
-    grads = stage_sums(param_bytes, balance)
-    working = [s if checkpoint_stop(checkpoint, m) > 0 else 0.0 for s in saved]
-    return [(g + p + w) / MB for g, p, w in zip(grads, sim.peak_bytes, working, strict=True)]
+@dataclass
+class StageMemory:
+    """Bytes one stage holds for one micro-batch, measured on real tensors (layer_memory)."""
+
+    saved: float  # what its forward keeps for backward (distinct storages)
+    extra: float  # the most a forward or backward adds above what the stage holds before it
+    received: float  # its input message (kept; it is what re-materialization keeps)
+    sent: float  # its output message
+    grads: float  # its parameters' gradients
+
+
+def stage_memory(model: nn.Sequential, balance: list[int], inputs: Any, targets: Any,
+                 loss_fn: Any) -> list[StageMemory]:
+    """Measure :class:`StageMemory` for each stage of ``balance`` on one micro-batch."""
+    bounds = [sum(balance[:i]) for i in range(len(balance) + 1)]
+    result = []
+    x = inputs
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        stage = nn.Sequential(*list(model)[a:b])
+        last = s == len(balance) - 1
+        memory = layer_memory(stage, x, targets, loss_fn if last else None)
+        with torch.no_grad():
+            y = stage(x)
+        # During layer i's forward or backward the stage holds the micro-batch's saved tensors
+        # up to layer i and layer i's transient.
+        extra = max(c + t for c, t in zip(itertools.accumulate(memory.saved), memory.transient,
+                                           strict=True))
+        result.append(StageMemory(
+            saved=sum(memory.saved), extra=extra, received=nbytes(x) if s > 0 else 0.0,
+            sent=0.0 if last else nbytes(y),
+            grads=float(sum(p.numel() * p.element_size() for p in stage.parameters()))))
+        x = y
+    return result
+
+
+def predicted_memory_mb(schedule: Any, stages: list[StageMemory], checkpoint: str
+                        ) -> list[float]:
+    """Each stage's peak tensor memory in a step above its start, walking its actions in order.
+
+    What ``DistributedGPipe`` holds: per pending micro-batch its received input and, unless
+    re-materialized, its saved tensors; the last message it sent (the transport frees a send's
+    buffer once it has left, which it checks at the next send); its gradients from its first
+    backward on; and during an action the action's own extra (a re-materialized backward
+    recomputes the saved tensors).
+    """
+    stop = checkpoint_stop(checkpoint, schedule.num_microbatches)
+    peaks = []
+    for s, actions in enumerate(schedule.actions):
+        st = stages[s]
+        kept = sent = grads = peak = 0.0
+        for action in actions:
+            mine = 0.0 if action.mb < stop else st.saved
+            if action.kind == "F":
+                peak = max(peak, kept + st.received + sent + grads + st.extra)
+                kept += st.received + mine
+                if s < len(stages) - 1:
+                    sent = st.sent
+            else:
+                peak = max(peak, kept - mine + sent + grads + st.extra)
+                kept -= st.received + mine
+                grads = st.grads
+                if s > 0:
+                    sent = st.received  # the input gradient goes back
+            peak = max(peak, kept + sent + grads)
+        peaks.append(peak / MB)
+    return peaks
 
 
 # --- the measured run -----------------------------------------------------------------------
@@ -294,7 +361,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
                             world_size=K, timeout=datetime.timedelta(seconds=300))
-    families = TINY_THROUGHPUT_FAMILIES if args.tiny else THROUGHPUT_FAMILIES
+    families = _families(args)
     family, size = families[args.family]
     inputs, targets = family.batch(family.batch_size)
     plain = gp.materialize(family.build(size), seed=0)
@@ -306,7 +373,10 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
                                                         args.profile_repeats)))
     whole_batch = mean_costs([{1: c} for c in first], 1)  # the same on every rank
     whole = [f + b for f, b in zip(whole_batch.forward, whole_batch.backward, strict=True)]
-    balance = list(optimal_balance(whole, K))  # what balance_by_time computes from these costs
+    if args.balance == "params":  # what balance_by_params gives, as the NMT app chose
+        balance = list(gp.balance_by_params(family.build(size), K))
+    else:  # what balance_by_time computes from these costs
+        balance = list(optimal_balance(whole, K))
     full_sizes = layer_sizes(family.build(size), inputs)
     payloads = sorted({1024, 64 * 1024, 1 << 20, 4 << 20}
                       | {int(b) for b in full_sizes.outputs})
@@ -350,7 +420,15 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
                     module.timeline.clear()  # keep the timed rounds' actions only
                 if round_ == args.warmup - 1:  # a warm step measures memory, untimed
                     module.zero_grad(set_to_none=True)
-                    memory[key] = step_memory_mb(fn)
+                    tensors = LiveTensorBytes([list(module.parameters()),
+                                               list(module.buffers()), inputs, targets])
+
+                    def tracked(fn: Any = fn, tensors: LiveTensorBytes = tensors) -> None:
+                        with tensors:
+                            fn()
+
+                    _, rss_added = step_memory_mb(tracked)
+                    memory[key] = (tensors.peak / MB, rss_added)
                     continue
                 seconds = timed_step(fn)
                 if round_ >= args.warmup:
@@ -369,7 +447,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
                                    if isinstance(module, gp.DistributedGPipe) else None)
             rows.append({"M": m, "schedule": schedule, "checkpoint": checkpoint,
                          "seconds": statistics.median(samples), "samples": samples,
-                         "step_memory_mb_per_rank": [added for _, added in rank_memory],
+                         "step_memory_mb_per_rank": [tensor for tensor, _ in rank_memory],
+                         "step_rss_mb_per_rank": [rss for _, rss in rank_memory],
                          "actions_per_rank": actions})
         del configs
     all_costs: list[Any] = [None] * K
@@ -387,12 +466,11 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
 
 def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> dict[str, Any]:
     """Predictions beside the measurements, and Table 2."""
-    families = TINY_THROUGHPUT_FAMILIES if args.tiny else THROUGHPUT_FAMILIES
+    families = _families(args)
     _, size = families[args.family]
-    inputs, _ = family.batch(family.batch_size)
-    meta = family.build(size)
-    param_bytes = [float(sum(p.numel() * p.element_size() for p in layer.parameters()))
-                   for layer in meta]
+    inputs, targets = family.batch(family.batch_size)
+    real = gp.materialize(family.build(size), seed=0)  # tensor sizes, measured once per M
+    memory_sizes: dict[int, list[StageMemory]] = {}
     transfer = fit_transfer({int(k): v for k, v in run["transfer_points"].items()})
     costs = {m: mean_costs(run["costs_per_rank"], m) for m in args.microbatches}
     balance = run["balance"]
@@ -404,7 +482,11 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
         m = row["M"]
         sizes = layer_sizes(family.build(size), _first_microbatch(inputs, m))
         sim = predict(costs[m], sizes, balance, row["schedule"], row["checkpoint"], m, transfer)
-        mem = predicted_memory_mb(sim, sizes, param_bytes, balance, row["checkpoint"], m)
+        if m not in memory_sizes:
+            memory_sizes[m] = stage_memory(real, balance, _first_microbatch(inputs, m),
+                                           _first_microbatch(targets, m), family.loss_fn)
+        mem = predicted_memory_mb(get_schedule(row["schedule"], K, m), memory_sizes[m],
+                                  row["checkpoint"])
         row.update(predicted_seconds=sim.step_time, predicted_bubble=sim.bubble_fraction,
                    time_error=sim.step_time / row["seconds"] - 1,
                    predicted_step_memory_mb_per_rank=mem,
@@ -472,7 +554,7 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
         predicted_base = table2[key]["K=2,M=1"]["seconds"]
         for entry in table2[key].values():
             entry["throughput"] = predicted_base / entry["seconds"]
-    table2["paper"] = {f"K={k},M={m}": v for (m, k), v in PAPER_TABLE2[args.family].items()}
+    table2["paper"] = {f"K={k},M={m}": v for (m, k), v in PAPER_TABLE2.get(args.family, {}).items()}
     return {
         "family": args.family, "size": run["size"], "layers": run["layers"],
         "parameters": run["parameters"], "batch_size": run["batch_size"], "balance": balance,
@@ -486,8 +568,16 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
         "calibrated_error_max": max(calibrated_errors),
         "memory_error_median": statistics.median(mem_errors) if mem_errors else None,
         "memory_error_max": max(mem_errors) if mem_errors else None,
+        "memory_within_10pct": sum(e <= 0.10 for e in mem_errors),
+        "memory_predictions": len(mem_errors),
         "costs": {m: asdict(c) for m, c in costs.items()},
     }
+
+
+def _families(args: argparse.Namespace) -> dict[str, tuple[Family, Size]]:
+    if args.tiny:
+        return TINY_THROUGHPUT_FAMILIES
+    return {**THROUGHPUT_FAMILIES, **APP_FAMILIES}
 
 
 def _first_microbatch(inputs: Any, m: int) -> Any:
@@ -496,7 +586,11 @@ def _first_microbatch(inputs: Any, m: int) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=["amoebanet", "transformer"])
+    parser.add_argument("--families", nargs="+", default=["amoebanet", "transformer"],
+                        help="Table 2's models (amoebanet, transformer) or the apps' defaults "
+                             "(nmt_app, amoebanet_app)")
+    parser.add_argument("--balance", choices=["time", "params"], default="time",
+                        help="the K=2 cut: optimal for the profiled time, or by parameters")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--steps", type=int, default=5, help="timed rounds per M")
     parser.add_argument("--warmup", type=int, default=2,
@@ -505,12 +599,17 @@ def main() -> None:
     parser.add_argument("--pingpong-repeats", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="tiny models for the tests")
     parser.add_argument("--out", default="docs/reproduction")
+    parser.add_argument("--tag", default="",
+                        help="written as throughput_TAG.json, throughput_TAG.png, simulator_TAG.png")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
     if 1 not in args.microbatches:
         parser.error("--microbatches must include 1: Table 2 is normalised to K=2, M=1")
-    families = TINY_THROUGHPUT_FAMILIES if args.tiny else THROUGHPUT_FAMILIES
+    families = _families(args)
+    unknown = sorted(set(args.families) - set(families))
+    if unknown:
+        parser.error(f"--families {' '.join(unknown)}: not one of {', '.join(families)}")
     started = time.monotonic()
     report: dict[str, Any] = {"config": vars(args), "families": {}}
     for name in args.families:
@@ -526,11 +625,12 @@ def main() -> None:
     report["wall_seconds"] = time.monotonic() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(report, indent=1))
-    plot_table2(report, out / "throughput.png")
-    plot_accuracy(report, out / "simulator.png")
-    print(f"wrote {out}/throughput.json, throughput.png, simulator.png "
-          f"({report['wall_seconds']:.0f} s)")
+    suffix = f"_{args.tag}" if args.tag else ""
+    names = [f"throughput{suffix}.json", f"throughput{suffix}.png", f"simulator{suffix}.png"]
+    (out / names[0]).write_text(json.dumps(report, indent=1))
+    plot_table2(report, out / names[1])
+    plot_accuracy(report, out / names[2])
+    print(f"wrote {', '.join(str(out / n) for n in names)} ({report['wall_seconds']:.0f} s)")
 
 
 def print_family(result: dict[str, Any]) -> None:

@@ -18,20 +18,25 @@ memory-aware balance, ``gp.simulate`` and ``gp.plan`` take.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.fx.experimental import _config as fx_config
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from apps.amoebanet.model import build_amoebanet
 from apps.nmt.model import token_cross_entropy, transformer
 from gpipe_core.microbatch import flatten, map_tensors
 
 Size = dict[str, int]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,65 @@ TINY_THROUGHPUT_FAMILIES: dict[str, tuple[Family, Size]] = {
 }
 
 
+# --- the apps' own CPU defaults (`make train-nmt`, `make train-amoebanet`) ------------------
+
+
+def _app_nmt_config() -> Any:
+    from apps.nmt.config import load_nmt_config
+
+    return load_nmt_config(["--config=cpu_default"])
+
+
+def build_app_nmt(size: Size) -> nn.Sequential:
+    from apps.nmt.config import build_model
+
+    return build_model(_app_nmt_config(), device="meta")
+
+
+def app_nmt_batch(batch_size: int, seq: int = 20) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """A batch shaped like the default's: ``max_tokens`` 1024 of short UI strings is about 48
+    sentence pairs of 20 tokens (random ids: speed does not depend on the words)."""
+    return nmt_batch(batch_size, vocab=_app_nmt_config().vocab_size, seq=seq)
+
+
+def app_nmt_loss(logits: Tensor, target_ids: Tensor) -> Tensor:
+    config = _app_nmt_config()
+    return token_cross_entropy(logits, target_ids, pad_id=config.pad_id,
+                               label_smoothing=config.label_smoothing)
+
+
+def _app_amoeba_config() -> Any:
+    from apps.amoebanet.config import load_amoebanet_config
+
+    path = ROOT / "apps" / "amoebanet" / "configs" / "cpu_fashion_mnist.yaml"
+    return load_amoebanet_config([f"--config={path}"])
+
+
+def build_app_amoeba(size: Size) -> nn.Sequential:
+    from apps.amoebanet.config import build_model
+
+    return build_model(_app_amoeba_config(), device="meta")
+
+
+def app_amoeba_batch(batch_size: int) -> tuple[Tensor, Tensor]:
+    config = _app_amoeba_config()
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, config.in_chans, config.image_size, config.image_size,
+                         generator=g)
+    return images, torch.randint(0, config.num_classes, (batch_size,), generator=g)
+
+
+# The apps' defaults as trained by `make train-nmt` (Transformer 6+6 at d=128, vocabulary
+# 4000, batches of ~1024 tokens) and `make train-amoebanet` (AmoebaNet-D(6, 32) on 28x28
+# Fashion-MNIST, batch 128), for the pipeline-efficiency measurements of the apps.
+APP_FAMILIES: dict[str, tuple[Family, Size]] = {
+    "nmt_app": (Family("nmt_app", [{}], build_app_nmt, app_nmt_batch, app_nmt_loss, adam,
+                       batch_size=48), {}),
+    "amoebanet_app": (Family("amoebanet_app", [{}], build_app_amoeba, app_amoeba_batch,
+                             amoeba_loss, rmsprop, batch_size=128), {}),
+}
+
+
 # --- sizes without memory -------------------------------------------------------------------
 
 
@@ -166,7 +230,7 @@ class LayerSizes:
     outputs: list[float]  # the layer's output: what a stage sends downstream
 
 
-def _nbytes(value: Any) -> float:
+def nbytes(value: Any) -> float:
     leaves, _ = flatten(value)
     return float(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, Tensor)))
 
@@ -207,8 +271,109 @@ def layer_sizes(model: nn.Sequential, inputs: Any) -> LayerSizes:
                 fx_config.patch(meta_nonzero_assume_all_nonzero=True):
             y = layer(x)
         sizes.saved.append(saved.total)
-        sizes.inputs.append(_nbytes(x))
+        sizes.inputs.append(nbytes(x))
         sizes.params.append(float(sum(p.numel() * p.element_size() for p in layer.parameters())))
-        sizes.outputs.append(_nbytes(y))
+        sizes.outputs.append(nbytes(y))
         x = y
     return sizes
+
+
+# --- tensor memory, measured ----------------------------------------------------------------
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The CPU analogue of ``torch.cuda.max_memory_allocated``: bytes of tensor storage alive.
+
+    Inside the context every storage an operator creates is counted until it is freed; the
+    peak is the most that was alive at once. Storages that existed before (``existing``:
+    parameters, buffers, the batch) are never counted, so the peak is what the step itself
+    adds: activations kept for backward, gradients, temporaries and message buffers. Memory
+    allocated outside torch's dispatcher (gloo's own buffers, the Python heap) is not seen, and
+    nor is the allocator's slack, which resident-memory measurements include.
+    """
+
+    def __init__(self, existing: Any = ()) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+        leaves = [t for t in flatten(existing)[0] if isinstance(t, Tensor)]
+        self._ignored = {t.untyped_storage().data_ptr() for t in leaves}
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0 or key in self._live or key in self._ignored:
+                continue
+            self._live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+@dataclass
+class LayerMemory:
+    """Per layer, measured on real tensors for one micro-batch: bytes autograd keeps for the
+    backward (distinct storages, parameters excluded) and the transient peak above them while
+    the layer's forward and backward run (temporaries, output and input gradients)."""
+
+    saved: list[float]
+    transient: list[float]
+
+
+def layer_memory(model: nn.Sequential, inputs: Any, targets: Any, loss_fn: Any) -> LayerMemory:
+    """Measure :class:`LayerMemory` layer by layer on real activations (the loss with the
+    last layer), each layer's backward given a gradient of ones' shape as a stage receives.
+    A storage saved by several layers (a layer's output saved again as the next one's input)
+    counts with the first; the input's own storages do not count (``loss_fn=None``: no loss,
+    for a stage that is not the last)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {t.untyped_storage().data_ptr() for t in flatten(inputs)[0] if isinstance(t, Tensor)}
+    alive: list[Tensor] = []  # saved tensors held to the end, so no address is reused
+    result = LayerMemory([], [])
+    x = inputs
+    n = len(model)
+    for i, layer in enumerate(model):
+        x = map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        storages: dict[int, int] = {}
+
+        def pack(tensor: Tensor, storages: dict[int, int] = storages) -> Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+                storages[storage.data_ptr()] = storage.nbytes()
+                alive.append(tensor)
+            return tensor
+
+        def forward_backward(x: Any = x, layer: nn.Module = layer, i: int = i) -> Any:
+            y = layer(x)
+            out = loss_fn(y, targets) if i == n - 1 and loss_fn is not None else y
+            leaves = [t for t in flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad]
+            if leaves:
+                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+            return y
+
+        # A first pass creates the parameters' gradients, which a step holds anyway (counted
+        # apart); the measured pass accumulates into them, as every backward after a stage's
+        # first does.
+        forward_backward()
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        tracker = LiveTensorBytes([x, targets, list(model.parameters()), list(model.buffers()),
+                                   grads])
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = forward_backward()
+        layer.zero_grad(set_to_none=True)
+        seen.update(storages)
+        saved = float(sum(storages.values()))
+        result.saved.append(saved)
+        result.transient.append(max(tracker.peak - saved, 0.0))
+        x = y
+    return result

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gpipe_core as gp
-from gpipe_core.partition import optimal_balance
+from gpipe_core.partition import optimal_balance, split_module
 
 
 def brute_force(costs: list[float], k: int) -> float:
@@ -86,3 +86,30 @@ def test_balance_by_memory_counts_saved_activations() -> None:
 def test_too_many_partitions() -> None:
     with pytest.raises(ValueError, match="cannot split 2 layers into 3 non-empty partitions"):
         gp.balance_by_params(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 3)
+
+
+def tied_model() -> nn.Sequential:
+    embed, middle, head = nn.Linear(4, 4, bias=False), nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+    head.weight = embed.weight
+    return nn.Sequential(embed, middle, nn.Tanh(), head)
+
+
+def test_a_weight_tied_across_the_ends_needs_tie_first_last() -> None:
+    model = tied_model()
+    with pytest.raises(ValueError, match="shared with 0.weight across partitions 0 and 2"):
+        gp.GPipe(model, [1, 2, 1])
+    partitions = split_module(model, [1, 2, 1], tie_first_last=True)
+    assert [[name for name, _ in p] for p in partitions] == [["0"], ["1", "2"], ["3"]]
+
+
+def test_tie_first_last_still_refuses_other_sharing() -> None:
+    model = tied_model()
+    model[1].weight = model[0].weight  # shared by the first and a middle partition
+    with pytest.raises(ValueError, match="across partitions 0 and 1"):
+        split_module(model, [1, 2, 1], tie_first_last=True)
+
+
+@pytest.mark.parametrize("tie_first_last", [False, True])
+def test_a_wrong_balance_is_the_same_error_with_a_tie(tie_first_last: bool) -> None:
+    with pytest.raises(ValueError, match=r"sum\(balance\)=5 does not match len\(module\)=4"):
+        split_module(tied_model(), [2, 3], tie_first_last=tie_first_last)

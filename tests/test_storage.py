@@ -18,7 +18,7 @@ def write_run_checkpoint(out_dir: Path, step: int) -> Path:
     """A checkpoint folder as the apps write it (shard, train state, config), published."""
     path = common.checkpoint_dir(out_dir, step)
     torch.manual_seed(step)
-    entries = gp.save_checkpoint(nn.Linear(4, 3).state_dict(), path, index=False)
+    entries = gp.save_shards(nn.Linear(4, 3).state_dict(), path, index=False)
     entries["train-state-rank000.pt"] = gp.write_atomic(
         path / "train-state-rank000.pt", {"step": step, "moments": torch.randn(8)})
     entries["config.yaml"] = gp.write_atomic(path / "config.yaml", "lr: 0.1\n")
@@ -46,7 +46,7 @@ def test_index_records_size_and_hash_of_every_file(tmp_path: Path) -> None:
         assert entry["bytes"] == (path / name).stat().st_size and len(entry["sha256"]) == 64
     assert not list(path.glob(".*tmp*"))  # no temporary file left behind
     gp.verify_checkpoint(path)
-    assert set(gp.load_checkpoint(path)) == {"weight", "bias"}
+    assert set(gp.load_shards(path)) == {"weight", "bias"}
 
 
 def test_a_flipped_byte_in_a_shard_is_named_on_load(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_a_flipped_byte_in_a_shard_is_named_on_load(tmp_path: Path) -> None:
     flip_byte(path / "shard-000-of-001.pt")
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-000-of-001\.pt is damaged: its "
                        r"SHA-256 differs"):
-        gp.load_checkpoint(path)
+        gp.load_shards(path)
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-000-of-001\.pt"):
         common.resolve_checkpoint(tmp_path, train_command="train")
 
@@ -68,7 +68,7 @@ def test_a_truncated_shard_or_train_state_is_named(tmp_path: Path) -> None:
         common.load_train_state(path, 0, 1)
     truncate(path / "shard-000-of-001.pt")
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-000-of-001\.pt is damaged"):
-        gp.load_checkpoint(path)
+        gp.load_shards(path)
 
 
 def test_an_unverifiable_old_checkpoint_still_names_an_unreadable_file(tmp_path: Path) -> None:
@@ -76,10 +76,10 @@ def test_an_unverifiable_old_checkpoint_still_names_an_unreadable_file(tmp_path:
     (path / "index.json").write_text(json.dumps({"num_shards": 1}))  # written before hashes
     truncate(path / "shard-000-of-001.pt")
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-000-of-001\.pt is unreadable"):
-        gp.load_checkpoint(path)
+        gp.load_shards(path)
     (path / "index.json").write_text('{"num_sh')
     with pytest.raises(gp.CheckpointCorruptError, match=r"index.json is damaged"):
-        gp.load_checkpoint(path)
+        gp.load_shards(path)
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint(

@@ -30,7 +30,7 @@ TRAIN_COMMAND = (
 def load_model(config: AmoebaNetConfig, checkpoint: Path, device: torch.device) -> nn.Module:
     """The plain ``nn.Sequential`` of ``config`` holding the checkpoint's merged shards."""
     model = build_model(config, device="meta")
-    model.load_state_dict(gp.load_checkpoint(checkpoint), assign=True)
+    model.load_state_dict(gp.load_shards(checkpoint), assign=True)
     return model.to(device).eval()
 
 

@@ -70,7 +70,7 @@ def load_model(config: NMTConfig, checkpoint_dir: str | Path, device: torch.devi
     import gpipe_core as gp
 
     model = build_model(config, device="meta")
-    state = gp.load_checkpoint(checkpoint_dir)
+    state = gp.load_shards(checkpoint_dir)
     model.load_state_dict(state, assign=True)
     return model.to(device).eval()
 

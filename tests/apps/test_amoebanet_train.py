@@ -132,8 +132,8 @@ def test_train_checkpoint_exact_resume_and_top1(shards: Path, tmp_path: Path) ->
     torchrun(tiny_args(shards, halves) + ["--resume"])
     assert losses(halves) == losses(straight)
     assert [step for step, _ in losses(halves)] == list(range(1, steps + 1))
-    resumed = gp.load_checkpoint(latest(halves))
-    for name, value in gp.load_checkpoint(checkpoint).items():
+    resumed = gp.load_shards(latest(halves))
+    for name, value in gp.load_shards(checkpoint).items():
         assert torch.equal(resumed[name], value), name
 
     # the evaluation script on the plain model agrees with the pipeline's final evaluation
@@ -299,7 +299,7 @@ def fake_checkpoint(directory: Path, shards: Path) -> Path:
     config = load_amoebanet_config([f"--config={CONFIG_DIR / 'tiny_test.yaml'}",
                                     f"--data_dir={shards}"])
     model = gp.materialize(build_model(config, device="meta"), seed=0)
-    gp.save_checkpoint(model.state_dict(), directory)
+    gp.save_shards(model.state_dict(), directory)
     save_config(config, directory / "config.yaml")
     return directory
 

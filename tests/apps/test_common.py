@@ -36,7 +36,7 @@ def test_a_bogus_schedule_gets_the_library_error(load: Callable[..., Any]) -> No
 
 @pytest.mark.parametrize("load", LOADERS, ids=["nmt", "amoebanet"])
 def test_checkpoint_modes_are_the_library_s(load: Callable[..., Any]) -> None:
-    from gpipe_core.checkpoint import CHECKPOINT_MODES
+    from gpipe_core.remat import CHECKPOINT_MODES
 
     for mode in CHECKPOINT_MODES:
         assert load([f"--checkpoint={mode}"]).checkpoint == mode
@@ -81,3 +81,23 @@ def test_cpu_defaults_hold_memory_and_do_not_pin() -> None:
     for config in (load_nmt_config([]), load_nmt_config(["--config=cpu_default"]),
                    load_amoebanet_config([f"--config={DEFAULT_CONFIG}"])):
         assert (config.pin_cpus, config.hold_memory, config.quiet_io) == (False, True, True)
+
+
+def test_quiet_io_false_turns_the_transport_s_quieting_off(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    import gpipe_core as gp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        pipe = gp.DistributedGPipe(nn.Sequential(nn.Linear(2, 2)), [1], chunks=1,
+                                   loss_fn=lambda out, target: out.sum())
+        assert pipe.transport.policy.quiet_io is not None  # the library's default
+        common.set_quiet_io(pipe, True)
+        assert pipe.transport.policy.quiet_io is not None
+        common.set_quiet_io(pipe, False)
+        assert pipe.transport.policy.quiet_io is None
+    finally:
+        dist.destroy_process_group()

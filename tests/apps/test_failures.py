@@ -138,7 +138,7 @@ def test_eval_scripts_name_the_other_apps_checkpoint(
     assert (f"error: {amoebanet} is an AmoebaNet checkpoint, not an NMT one: use `python "
             f"scripts/eval_top1.py --ckpt {amoebanet}`") in capsys.readouterr().err
     nmt = tmp_path / "nmt"
-    gp.save_checkpoint({"w": torch.zeros(2)}, nmt)
+    gp.save_shards({"w": torch.zeros(2)}, nmt)
     save_config(NMTConfig(), nmt / "config.yaml")
     assert eval_top1.main(["--ckpt", str(nmt)]) == 2
     assert (f"error: {nmt} is an NMT checkpoint, not an AmoebaNet one: use `python "
@@ -355,7 +355,7 @@ def test_two_nodes_train_exactly_as_one(shards: Path, tmp_path: Path) -> None:  
     for node, log in zip(nodes, logs, strict=True):
         output = finish(node, log, timeout_s=120)
         assert node.returncode == 0, output[-3000:]
-    one, two = (gp.load_checkpoint(tmp_path / name / "step-0000003") for name in ("one", "two"))
+    one, two = (gp.load_shards(tmp_path / name / "step-0000003") for name in ("one", "two"))
     assert one.keys() == two.keys()
     assert all(torch.equal(one[key], two[key]) for key in one)
     assert (tmp_path / "one" / "log.jsonl").read_text() == (tmp_path / "two" / "log.jsonl").read_text()

@@ -101,8 +101,8 @@ def test_train_checkpoint_exact_resume_and_bleu(corpus: Path, tmp_path: Path) ->
     torchrun(tiny_args(corpus, halves, max_steps=steps, resume="true"))
     assert losses(halves) == losses(straight)
     assert [step for step, _ in losses(halves)] == list(range(1, steps + 1))
-    resumed = gp.load_checkpoint(resolve(halves))
-    for name, value in gp.load_checkpoint(checkpoint).items():
+    resumed = gp.load_shards(resolve(halves))
+    for name, value in gp.load_shards(checkpoint).items():
         assert torch.equal(resumed[name], value), name
 
     # beam search and BLEU with the evaluation script's function (JSON and PNG)
@@ -192,7 +192,7 @@ def fake_checkpoint(directory: Path, corpus: Path, fingerprint: str) -> Path:
     """A checkpoint as train.py writes it, of an untrained tiny model, without training."""
     config = replace(load_nmt_config(["--config=tiny"]), data_dir=str(corpus), vocab_size=VOCAB)
     model = gp.materialize(build_model(config, device="meta"), seed=0)
-    gp.save_checkpoint(model.state_dict(), directory)
+    gp.save_shards(model.state_dict(), directory)
     save_config(config, directory / "config.yaml")
     (directory / "tokenizer.json").write_text(json.dumps({"fingerprint": fingerprint}))
     return directory

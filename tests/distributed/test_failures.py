@@ -96,13 +96,13 @@ def test_every_rank_file_is_in_one_verified_index(tmp_path: Path) -> None:
         "train-state-rank000.pt", "train-state-rank001.pt"]
     gp.verify_checkpoint(directory)
     plain = build()
-    plain.load_state_dict(gp.load_checkpoint(directory))
+    plain.load_state_dict(gp.load_shards(directory))
     shard = directory / "shard-001-of-002.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-001-of-002\.pt is damaged"):
-        gp.load_checkpoint(directory)
+        gp.load_shards(directory)
 
 
 def run_own_error(rank: int, world: int) -> Any:

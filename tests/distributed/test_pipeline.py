@@ -267,9 +267,9 @@ def test_checkpoint_from_two_ranks_loads_into_four_gpipe_and_plain(tmp_path: Pat
     for key in state:
         assert torch.equal(merged[key], state[key])
     plain = build()
-    plain.load_state_dict(gp.load_checkpoint(directory))
+    plain.load_state_dict(gp.load_shards(directory))
     pipe = gp.GPipe(build(), [3, 5], chunks=2)
-    pipe.load_state_dict(gp.load_checkpoint(directory))
+    pipe.load_state_dict(gp.load_shards(directory))
     for key, value in plain.state_dict().items():
         assert torch.equal(value, state[key]) and torch.equal(pipe.state_dict()[key], state[key])
 

@@ -1,0 +1,109 @@
+"""Process groups for pipeline x data parallelism, initialised from torchrun's environment."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .cpu import bind_cpus, hold_freed_memory
+
+__all__ = ["init_process_groups", "default_device"]
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _watch_launcher(poll_s: float = 1.0) -> None:
+    """Under torchrun, send this worker SIGTERM when its agent dies (a lost node).
+
+    A worker whose agent was killed would otherwise run on as an orphan, and the agent of the
+    other node would count the job a success. A daemon thread polls the parent's pid; SIGTERM
+    lets a training loop checkpoint and stop (see apps.common.Interrupt), and its peers see the
+    stop too.
+    """
+    global _launcher_watched
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _launcher_watched:
+        return
+    _launcher_watched = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gpipe-launcher-watch", daemon=True).start()
+
+
+_launcher_watched = False
+
+
+def init_process_groups(
+    num_stages: int,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 60.0,
+    pin_cpus: bool = False,
+    hold_memory: bool = False,
+) -> tuple[Any, Any]:
+    """Initialise torch.distributed from torchrun's environment and build the two groups.
+
+    Ranks are laid out pipeline-major: with world size ``W`` and ``K = num_stages`` there are
+    ``W / K`` replicas; replica ``r`` holds ranks ``r*K ... r*K + K-1`` (its stages in order).
+    Returns ``(pipeline_group, data_parallel_group)`` of the calling rank; the data-parallel
+    group links the ranks that hold the same stage. Backend: NCCL with CUDA, else gloo.
+    ``pin_cpus``: first give each local rank its own share of the CPU cores
+    (:func:`~gpipe_core.bind_cpus`); ``hold_memory``: keep freed blocks mapped
+    (:func:`~gpipe_core.hold_freed_memory`). Both are worth it when stages compute on the CPU.
+    """
+    if not dist.is_initialized() and not all(k in os.environ for k in _TORCHRUN_ENV):
+        missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+        raise RuntimeError(
+            f"not launched by torchrun ({', '.join(missing)} unset): start one process per "
+            f"stage with `python -m torch.distributed.run --nproc-per-node {num_stages} "
+            "<script>` (or call dist.init_process_group yourself first)"
+        )
+    _watch_launcher()
+    if pin_cpus:
+        bind_cpus()
+    if hold_memory:
+        hold_freed_memory()
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % num_stages != 0:
+        raise ValueError(
+            f"world size {world} is not a multiple of num_stages={num_stages}; launch "
+            f"torchrun with --nproc-per-node a multiple of {num_stages}"
+        )
+    replicas = world // num_stages
+    pipeline_group = data_group = None
+    # new_group must be called by every rank for every group, in the same order.
+    for replica in range(replicas):
+        ranks = list(range(replica * num_stages, (replica + 1) * num_stages))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            pipeline_group = group
+    for stage in range(num_stages):
+        ranks = [replica * num_stages + stage for replica in range(replicas)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            data_group = group
+    return pipeline_group, data_group
+
+
+def default_device() -> torch.device:
+    """Where a rank's stage lives by default: its current CUDA device with NCCL, else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
