@@ -6,12 +6,14 @@ available, every M that divides the batch into micro-batches of at least ``min_m
 samples, and every checkpoint mode; balances layers optimally for each K; predicts the step with
 :func:`~gpipe_core.simulate.simulate`; and returns the fastest plan whose predicted peak memory
 per device fits the budget. Per-micro-batch costs are modelled as the whole-batch cost divided
-by M plus a fixed per-action overhead, which is what small micro-batches cost on real hardware.
+by M plus a fixed per-action overhead, which is what small micro-batches cost on real hardware,
+unless ``microbatch_costs`` gives the costs measured at that M (what a profile of each M
+gives: small micro-batches run layers below their whole-batch efficiency).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .partition import optimal_balance
@@ -55,9 +57,19 @@ def plan(
     per_action_overhead: float = 0.0,
     transfer: float = 0.0,
     min_microbatch: int = 1,
+    microbatch_costs: Mapping[int, tuple[Sequence[float], Sequence[float]]] | None = None,
 ) -> list[Plan]:
-    """All feasible plans, fastest first; raises if none fits ``memory_budget`` bytes."""
+    """All feasible plans, fastest first; raises if none fits ``memory_budget`` bytes.
+
+    ``microbatch_costs[M] = (forward, backward)``: per-layer seconds of one micro-batch when
+    the batch is split in M, used for that M instead of the whole-batch cost / M + overhead.
+    """
     n = len(forward)
+    microbatch_costs = dict(microbatch_costs or {})
+    for m, (f, b) in microbatch_costs.items():
+        if len(f) != n or len(b) != n:
+            raise ValueError(f"microbatch_costs[{m}] has {len(f)} forward and {len(b)} backward "
+                             f"costs for {n} layers; give one per layer")
     if not (len(backward) == len(activation_bytes) == len(input_bytes) == len(param_bytes) == n):
         raise ValueError("give forward, backward, activation_bytes, input_bytes and param_bytes "
                          "for every layer (equal lengths)")
@@ -73,8 +85,13 @@ def plan(
             if batch_size % m:
                 continue
             stages = list(zip(bounds[:-1], bounds[1:], strict=True))
-            fwd = [per_stage(forward, a, b) / m + per_action_overhead for a, b in stages]
-            bwd = [per_stage(backward, a, b) / m + per_action_overhead for a, b in stages]
+            if m in microbatch_costs:
+                f_m, b_m = microbatch_costs[m]
+                fwd = [per_stage(f_m, a, b) for a, b in stages]
+                bwd = [per_stage(b_m, a, b) for a, b in stages]
+            else:
+                fwd = [per_stage(forward, a, b) / m + per_action_overhead for a, b in stages]
+                bwd = [per_stage(backward, a, b) / m + per_action_overhead for a, b in stages]
             acts = [per_stage(activation_bytes, a, b) / m for a, b in stages]
             inputs = [input_bytes[a] / m for a, _ in stages]
             params = [per_stage(param_bytes, a, b) for a, b in stages]

@@ -6,9 +6,10 @@ parameter sizes (parameters counted four times: weights, gradients, two optimise
 the fitted transfer time and a memory budget, lets it choose among what was measured (K=1 with
 M=1, which is the plain module, and K=2 fill-drain with M = 1, 4, 8, 32 and every
 re-materialization mode), and compares the measured time of its choice with the fastest
-measured configuration; once with ``per_action_overhead=0`` and once with the overhead that
+measured configuration; three times: with ``per_action_overhead=0``, with the overhead that
 makes the plan's per-micro-batch cost model match the profiled costs of smaller micro-batches
-(:func:`fitted_overhead`). Writes ``simulator_plan.json`` next to the input.
+(:func:`fitted_overhead`), and with the costs profiled at each M (``microbatch_costs``).
+Writes ``simulator_plan.json`` next to the input.
 
     python scripts/plan_vs_measured.py [--results docs/reproduction/throughput.json]
 """
@@ -37,7 +38,8 @@ def fitted_overhead(result: dict[str, Any], num_stages: int = 2) -> float:
     return max(fits[len(fits) // 2], 0.0) if fits else 0.0
 
 
-def compare(result: dict[str, Any], budget_bytes: float, overhead: float) -> dict[str, Any]:
+def compare(result: dict[str, Any], budget_bytes: float, overhead: float,
+            per_microbatch: bool = False) -> dict[str, Any]:
     family, size = THROUGHPUT_FAMILIES[result["family"]]
     inputs, _ = family.batch(family.batch_size)
     sizes = layer_sizes(family.build(size), inputs)
@@ -49,7 +51,10 @@ def compare(result: dict[str, Any], budget_bytes: float, overhead: float) -> dic
                     activation_bytes=sizes.saved, input_bytes=sizes.inputs,
                     param_bytes=[4 * p for p in sizes.params], batch_size=family.batch_size,
                     max_stages=2, memory_budget=budget_bytes,
-                    transfer=result["transfer_latency_s"], per_action_overhead=overhead)
+                    transfer=result["transfer_latency_s"], per_action_overhead=overhead,
+                    microbatch_costs={int(m): (c["forward"], c["backward"])
+                                      for m, c in result["costs"].items()}
+                    if per_microbatch else None)
     # Only the plan's configurations that were measured can be checked against measurement.
     candidates = [p for p in plans
                   if (p.num_stages, p.num_microbatches, p.checkpoint) in measured]
@@ -67,6 +72,7 @@ def compare(result: dict[str, Any], budget_bytes: float, overhead: float) -> dic
         "choice_over_best": measured[key] / measured[best_key] - 1,
         "budget_mb": budget_bytes / 2**20,
         "per_action_overhead_s": overhead,
+        "microbatch_costs": per_microbatch,
     }
 
 
@@ -76,12 +82,16 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=float, default=512.0)
     args = parser.parse_args()
     report = json.loads(Path(args.results).read_text())
-    rows = [compare(result, args.budget_mb * 2**20, overhead)
-            for result in report["families"].values()
-            for overhead in (0.0, fitted_overhead(result))]
+    budget = args.budget_mb * 2**20
+    rows = [row for result in report["families"].values()
+            for row in (compare(result, budget, 0.0),
+                        compare(result, budget, fitted_overhead(result)),
+                        compare(result, budget, 0.0, per_microbatch=True))]
     for row in rows:
         c, b = row["plan_choice"], row["best_measured"]
-        print(f"{row['family']} (per-action overhead {row['per_action_overhead_s'] * 1e3:.1f} ms): "
+        model = ("the profiled cost of each M" if row["microbatch_costs"] else
+                 f"whole-batch cost / M + {row['per_action_overhead_s'] * 1e3:.1f} ms per action")
+        print(f"{row['family']} ({model}): "
               f"gp.plan chose K={c['K']} M={c['M']} {c['checkpoint']} "
               f"(predicted {c['predicted_seconds']:.3f} s, measured {c['measured_seconds']:.3f} s); "
               f"best measured K={b['K']} M={b['M']} {b['checkpoint']} {b['seconds']:.3f} s: "

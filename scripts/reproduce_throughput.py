@@ -47,6 +47,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
+from torch import Tensor, nn
 
 import gpipe_core as gp
 from gpipe_core.microbatch import scatter
@@ -98,71 +99,87 @@ class LayerCosts:
     backward: list[float]
 
 
-def _time_backward_per_layer(model: nn.Sequential, inputs: Any, targets: Any, loss_fn: Any
-                             ) -> list[float]:
-    """Each layer's share of one whole backward, from the moments its output gradients were
-    ready (full backward pre-hooks): layer i's backward ran from its own hook to layer i-1's
-    (the last layer's, loss included, from the start of backward; the first's to its end)."""
+def _backward_shares(model: nn.Sequential, run_forwards: Callable[[], list[Tensor]]
+                     ) -> list[list[float]]:
+    """Each layer's share of each micro-batch's backward (run last micro-batch first), from the
+    moments its output gradients were ready (full backward pre-hooks): layer i's backward ran
+    from its own hook to layer i-1's (the last layer's, loss included, from the start of the
+    backward; the first's to its end)."""
     n = len(model)
     ready: list[float | None] = [None] * n
     hooks = [layer.register_full_backward_pre_hook(
         lambda module, grad, i=i: ready.__setitem__(i, time.perf_counter()))
         for i, layer in enumerate(model)]
+    shares = []
     try:
-        loss = loss_fn(model(inputs), targets)
-        start = time.perf_counter()
-        loss.backward()
-        end = time.perf_counter()
+        losses = run_forwards()  # with the hooks in place (they wrap each layer's outputs)
+        for loss in reversed(losses):
+            ready[:] = [None] * n
+            start = time.perf_counter()
+            loss.backward()
+            end = time.perf_counter()
+            ready[n - 1] = start  # the last layer's output gradient is the loss's: at once
+            for i in reversed(range(n - 1)):  # a layer whose outputs needed none took no time
+                if ready[i] is None:
+                    ready[i] = ready[i + 1]
+            times = [float(ready[i - 1] if i > 0 else end) - float(ready[i])  # type: ignore[arg-type]
+                     for i in range(n)]
+            shares.append([max(t, 0.0) for t in times])
     finally:
         for hook in hooks:
             hook.remove()
-    ready[n - 1] = start  # the last layer's output gradient is the loss's: ready at once
-    for i in reversed(range(n - 1)):  # a layer whose outputs needed no gradient took no time
-        if ready[i] is None:
-            ready[i] = ready[i + 1]
-    times = [float(ready[i - 1] if i > 0 else end) - float(ready[i]) for i in range(n)]  # type: ignore[arg-type]
-    return [max(t, 0.0) for t in times]
+    return shares
 
 
 def profile_layers(model: nn.Sequential, inputs: Any, targets: Any, loss_fn: Any,
-                   repeats: int) -> LayerCosts:
-    """Time each layer's forward (with and without autograd) and backward as they run in a
-    whole forward and backward on real activations (the loss counts with the last layer).
+                   repeats: int, microbatches: int = 1) -> LayerCosts:
+    """Time each layer's forward (with and without autograd) and backward on one micro-batch
+    of ``inputs`` split in ``microbatches``, as they run in a fill-drain step on one stage: the
+    forwards of all micro-batches, then their backwards, last first (the loss counts with the
+    last layer); means over the micro-batches.
 
     Layers are timed in sequence rather than one at a time: a layer run twice in a row on the
     same input finds its weights and input in cache, and a backward call per layer pays
-    autograd's per-call cost; both made an earlier per-layer profile 10-20% cheaper than the
-    same layers inside a stage. Pass 1 is the no-autograd forward, pass 2 the forward with
-    autograd and one whole backward (its total), pass 3 splits a backward between layers with
-    hooks, scaled to pass 2's total (the hooks themselves cost ~10% of a backward).
+    autograd's per-call cost; and the backward of a micro-batch follows the forwards of the
+    others, so that its saved tensors are no longer in cache, as in the pipeline. Pass 1 is the
+    no-autograd forward, pass 2 the forwards with autograd and the whole backwards (their
+    totals), pass 3 splits each backward between layers with hooks, scaled to pass 2's totals
+    (the hooks themselves cost ~10% of a backward).
     """
     n = len(model)
+    chunks = list(zip(scatter(inputs, microbatches), scatter(targets, microbatches), strict=True))
     samples: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(3)]
-    for _ in range(repeats):
-        with torch.no_grad():
-            x = inputs
-            for i, layer in enumerate(model):
-                start = time.perf_counter()
-                x = layer(x)
-                samples[1][i].append(time.perf_counter() - start)
-        x = inputs
+
+    def forward(x: Any, y: Any, times: list[list[float]] | None) -> Tensor:
         for i, layer in enumerate(model):
             start = time.perf_counter()
             x = layer(x)
             if i == n - 1:
-                x = loss_fn(x, targets)
-            samples[0][i].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        x.backward()
-        total = time.perf_counter() - start
+                x = loss_fn(x, y)
+            if times is not None:
+                times[i].append(time.perf_counter() - start)
+        return x  # type: ignore[no-any-return]
+
+    for _ in range(repeats):
+        with torch.no_grad():
+            for x, y in chunks:
+                forward(x, y, samples[1])
+        losses = [forward(x, y, samples[0]) for x, y in chunks]
+        totals = []
+        for loss in reversed(losses):
+            start = time.perf_counter()
+            loss.backward()
+            totals.append(time.perf_counter() - start)
+        del losses
         model.zero_grad(set_to_none=True)
-        shares = _time_backward_per_layer(model, inputs, targets, loss_fn)
+        shares = _backward_shares(model, lambda: [forward(x, y, None) for x, y in chunks])
         model.zero_grad(set_to_none=True)
-        scale = total / sum(shares) if sum(shares) > 0 else 0.0
-        for i, share in enumerate(shares):
-            samples[2][i].append(share * scale)
-    forward, no_grad, backward = ([statistics.median(t) for t in kind] for kind in samples)
-    return LayerCosts(forward, no_grad, backward)
+        for total, share in zip(totals, shares, strict=True):
+            scale = total / sum(share) if sum(share) > 0 else 0.0
+            for i, value in enumerate(share):
+                samples[2][i].append(value * scale)
+    forward_s, no_grad, backward = ([statistics.median(t) for t in kind] for kind in samples)
+    return LayerCosts(forward_s, no_grad, backward)
 
 
 def mean_costs(per_rank: list[dict[Any, Any]], m: int) -> LayerCosts:
@@ -393,12 +410,11 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
     for m in args.microbatches:
         # Layer costs on this M's micro-batch are measured in the same rounds as the steps, so
         # that the machine's load (shared here) touches costs and steps alike.
-        x_mb, y_mb = scatter(inputs, m)[0], scatter(targets, m)[0]
         profiles: list[LayerCosts] = []
 
-        def profile(x_mb: Any = x_mb, y_mb: Any = y_mb, profiles: list[LayerCosts] = profiles
-                    ) -> None:
-            profiles.append(profile_layers(plain, x_mb, y_mb, family.loss_fn, 1))
+        def profile(m: int = m, profiles: list[LayerCosts] = profiles) -> None:
+            profiles.append(profile_layers(plain, inputs, targets, family.loss_fn, 1,
+                                           microbatches=m))
 
         configs: dict[tuple[str, str], Any] = {("plain", "-"): (plain_step, plain),
                                                ("profile", "-"): (profile, plain)}

@@ -104,3 +104,21 @@ def test_transfer_per_boundary() -> None:
         simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, transfer=[0.25])
     with pytest.raises(ValueError, match="recompute has 1 costs for 3 stages"):
         simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, recompute=[1.0])
+
+
+def test_plan_uses_the_costs_measured_at_each_microbatch_count() -> None:
+    # Whole batch: 1 s forward + 2 s backward per layer. Divided by M, four micro-batches on two
+    # stages look fast; measured, a quarter of the batch costs as much as the whole (a device
+    # far below its efficiency), so splitting cannot pay and one stage with M=1 wins.
+    layers = 2
+    common = dict(forward=[1.0] * layers, backward=[2.0] * layers,
+                  activation_bytes=[0.0] * layers, input_bytes=[0.0] * layers,
+                  param_bytes=[0.0] * layers, batch_size=4, max_stages=2, memory_budget=1.0)
+    naive = gp.plan(**common)[0]
+    assert naive.num_microbatches == 4 and naive.num_stages == 2
+    measured = gp.plan(**common, microbatch_costs={
+        2: ([1.0] * layers, [2.0] * layers), 4: ([1.0] * layers, [2.0] * layers)})[0]
+    assert (measured.num_stages, measured.num_microbatches) == (1, 1)
+    assert measured.step_time == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="microbatch_costs\\[4\\] has 1 forward"):
+        gp.plan(**common, microbatch_costs={4: ([1.0], [2.0])})
