@@ -36,6 +36,7 @@ from torch import Tensor
 
 import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
+from gpipe_core.microbatch import map_tensors
 from gpipe_core.remat import CHECKPOINT_MODES
 from gpipe_core.schedule import get_schedule
 from gpipe_core.storage import torch_load
@@ -135,6 +136,31 @@ def setup_run(*, num_stages: int, device: str = "auto", num_threads: int = 1,
         device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
         else torch.device("cpu"),
     )
+
+
+def choose_balance(build_meta: Callable[[], torch.nn.Sequential], sample: Any, num_stages: int,
+                   *, seed: int, device: torch.device, max_parameters: int) -> list[int]:
+    """Layers per stage by the measured forward+backward time of each layer on ``sample`` (one
+    micro-batch); by parameters for models over ``max_parameters``, too large to time whole.
+
+    Parameter counts mislead both apps: AmoebaNet's early cells work on large maps with few
+    parameters, and the Transformer's embedding holds many parameters for little compute while
+    its output projection does much (a 4k x d vocabulary matmul per token). Timing differs
+    between processes, so global rank 0 times a plain copy (then drops it) and every rank gets
+    its result.
+    """
+    model = build_meta()
+    if sum(p.numel() for p in model.parameters()) > max_parameters:
+        return list(gp.balance_by_params(model, num_stages))
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        plain = gp.materialize(build_meta(), seed=seed, device=device)
+        sample = map_tensors(sample, lambda t: t.to(device))
+        result[0] = list(gp.balance_by_time(plain, sample, num_stages))
+        del plain
+    with gp.collectives("choosing the balance"):
+        dist.broadcast_object_list(result, src=0)
+    return list(result[0])
 
 
 def set_quiet_io(pipe: gp.DistributedGPipe, enabled: bool) -> None:

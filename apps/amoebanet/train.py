@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 import gpipe_core as gp
 from apps.amoebanet.config import (
@@ -76,6 +76,7 @@ from apps.common import (
     check_loss,
     check_resumable,
     checkpoint_dir,
+    choose_balance,
     load_train_state,
     on_rank0,
     refuse_existing_run,
@@ -187,33 +188,15 @@ def train_batches(
 # Model
 
 
-def choose_balance(
-    model: nn.Sequential, config: AmoebaNetConfig, device: torch.device
-) -> list[int]:
-    """Layers per stage: ``config.balance``, else by measured time (small models) or parameters.
-
-    Timing differs between processes, so only global rank 0 measures; every rank gets its result.
-    AmoebaNet's early cells work on large maps with few parameters, so balancing by parameters
-    would give the first stage most of the compute; the measured time of one micro-batch per
-    layer does not have that bias.
-    """
+def amoebanet_balance(config: AmoebaNetConfig, device: torch.device) -> list[int]:
+    """``config.balance``, else by measured time (see :func:`apps.common.choose_balance`)."""
     if config.balance is not None:
         return list(config.balance)
-    num_params = sum(p.numel() for p in model.parameters())
-    if num_params > PROFILE_MAX_PARAMETERS:
-        return list(gp.balance_by_params(model, config.num_stages))
-    result: list[Any] = [None]
-    if dist.get_rank() == 0:
-        plain = gp.materialize(build_model(config, device="meta"), seed=config.seed,
-                               device=device)
-        micro_batch = max(1, config.batch_size // config.chunks)
-        sample = torch.randn(micro_batch, config.in_chans, config.image_size, config.image_size,
-                             device=device)
-        result[0] = list(gp.balance_by_time(plain, sample, config.num_stages))
-        del plain
-    with gp.collectives("choosing the balance"):
-        dist.broadcast_object_list(result, src=0)
-    return list(result[0])
+    micro_batch = max(1, config.batch_size // config.chunks)
+    sample = torch.randn(micro_batch, config.in_chans, config.image_size, config.image_size)
+    return choose_balance(lambda: build_model(config, device="meta"), sample,
+                          config.num_stages, seed=config.seed, device=device,
+                          max_parameters=PROFILE_MAX_PARAMETERS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- model: built on meta; each rank materializes only its own stage ------------------
     model = build_model(config, device="meta")
     num_params = sum(p.numel() for p in model.parameters())
-    balance = list(state["balance"]) if state else choose_balance(model, config, device)
+    balance = list(state["balance"]) if state else amoebanet_balance(config, device)
 
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
         # evaluation passes integer labels even when training mixes them into soft targets

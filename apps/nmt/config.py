@@ -73,7 +73,7 @@ class NMTConfig:
     # re-materialisation: "always", "except_last", "never" (the CPU default has memory to spare
     # and no compute to spare, so it keeps activations; GPU configs use "except_last")
     checkpoint: str = "never"
-    balance: list[int] | None = None  # layers per stage; None = balance by parameters
+    balance: list[int] | None = None  # layers per stage; None = by measured time (rank 0)
 
     # --- optimisation ---
     optimizer: str = "adam"  # "adam" or "adafactor"

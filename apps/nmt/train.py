@@ -43,6 +43,7 @@ from apps.common import (
     check_loss,
     check_resumable,
     checkpoint_dir,
+    choose_balance,
     load_train_state,
     on_rank0,
     refuse_existing_run,
@@ -181,6 +182,26 @@ def step_stats(pipe: gp.DistributedGPipe, num_stages: int, device: torch.device)
     return stats
 
 
+# Models up to this size are balanced by the measured time of each layer on rank 0 (a plain copy
+# is built once, for a second); larger ones by parameters.
+PROFILE_MAX_PARAMETERS = 50_000_000
+BALANCE_SAMPLE_LENGTH = 20  # tokens per sentence of the timing sample: UI strings are short
+
+
+def nmt_balance(config: NMTConfig, device: torch.device) -> list[int]:
+    """Layers per stage by the measured time of one micro-batch through each layer (see
+    :func:`apps.common.choose_balance`): by parameters the embedding (many parameters, little
+    compute) and the output projection (few layers' parameters, a vocabulary-wide matmul per
+    token) land on the wrong sides of the cut."""
+    length = min(BALANCE_SAMPLE_LENGTH, config.max_len)
+    rows = max(1, config.max_tokens // config.chunks // length)
+    generator = torch.Generator().manual_seed(config.seed)
+    ids = torch.randint(4, config.vocab_size, (2, rows, length), generator=generator)
+    return choose_balance(lambda: build_model(config, device="meta"), (ids[0], ids[1]),
+                          config.num_stages, seed=config.seed, device=device,
+                          max_parameters=PROFILE_MAX_PARAMETERS)
+
+
 def budget_reached(config: NMTConfig, step: int, tokens_seen: int) -> str | None:
     """Which training budget ends the run now: ``max_steps`` or ``max_train_tokens`` (the
     wall-clock cap ``max_minutes`` is checked by the loop, as a safety)."""
@@ -230,9 +251,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         max_len=config.max_len,
     )
 
+    # --- resume: which checkpoint (its balance fixes the partitioning) ---------------------
+    resume_dir, state = None, {}
+    if config.resume:
+        # the newest checkpoint whose files all verify (an older one, with a warning, if the
+        # newest is damaged)
+        resume_dir = resume_checkpoint(out_dir, train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
+                                       verbose=master)
+        saved_config = load_nmt_config([f"--config={resume_dir / 'config.yaml'}"])
+        check_resumable(saved_config, config, may_change=RESUMABLE_CHANGES, checkpoint=resume_dir)
+        state = load_train_state(resume_dir, rank, world_size)
+
     # --- model: built on meta, each rank materialises only its own stage ------------------
     model = build_model(config, device="meta")
-    balance = list(config.balance or gp.balance_by_params(model, config.num_stages))
+    if "balance" in state:
+        balance = list(state["balance"])
+    elif config.resume or config.balance is not None:  # checkpoints before balance was saved
+        balance = list(config.balance or gp.balance_by_params(model, config.num_stages))
+    else:
+        balance = nmt_balance(config, device)
     pad_id, smoothing = config.pad_id, config.label_smoothing
 
     def loss_fn(logits: Tensor, target_ids: Tensor) -> Tensor:
@@ -268,14 +305,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     # --- resume: weights, optimizer, data stream, step counters ---------------------------
     step, tokens_seen, train_seconds = 0, 0, 0.0
-    if config.resume:
-        # the newest checkpoint whose files all verify (an older one, with a warning, if the
-        # newest is damaged)
-        resume_dir = resume_checkpoint(out_dir, train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
-                                       verbose=master)
-        saved_config = load_nmt_config([f"--config={resume_dir / 'config.yaml'}"])
-        check_resumable(saved_config, config, may_change=RESUMABLE_CHANGES, checkpoint=resume_dir)
-        state = load_train_state(resume_dir, rank, world_size)
+    if resume_dir is not None:
         pipe.load_checkpoint(resume_dir)
         optimizer.load_state_dict(state["optimizer"])
         batches.load_state_dict(state["data"])
@@ -301,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "train_seconds": train_seconds,
             "pipe_steps": pipe.steps_done,
             "world_size": world_size,
+            "balance": balance,
         }
         tokenizer_json = json.dumps({
             "fingerprint": tokenizer.fingerprint,

@@ -101,3 +101,25 @@ def test_quiet_io_false_turns_the_transport_s_quieting_off(tmp_path: Path) -> No
         assert pipe.transport.policy.quiet_io is None
     finally:
         dist.destroy_process_group()
+
+
+def test_the_nmt_default_is_balanced_by_time_not_parameters(tmp_path: Path) -> None:
+    # By parameters the embedding (4000 x 128, little compute) weighs like several layers and the
+    # output projection (a vocabulary-wide matmul per token) like few; timing puts the cut
+    # elsewhere. Rank 0 of a one-process group times the real default model.
+    import torch
+    import torch.distributed as dist
+
+    import gpipe_core as gp
+    from apps.nmt.config import build_model
+
+    config = load_nmt_config(["--config=cpu_default"])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        by_time = nmt_train.nmt_balance(config, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    by_params = list(gp.balance_by_params(build_model(config, device="meta"), 2))
+    assert sum(by_time) == sum(by_params) == 14
+    assert by_time[1] < by_params[1]  # the projection's stage gets fewer layers
