@@ -10,7 +10,7 @@ ARGS ?=
 
 .PHONY: install test test-fast lint smoke train-nmt eval-nmt train-amoebanet eval-amoebanet \
         bench bench-overhead bench-pipeline reproduce-stability reproduce-depth-width \
-        reproduce-memory reproduce-throughput clean
+        reproduce-memory reproduce-throughput reproduce-app-pipelines clean
 
 install: $(STAMP)
 
@@ -76,6 +76,15 @@ reproduce-memory: install
 reproduce-throughput: install
 	$(PY) scripts/reproduce_throughput.py $(ARGS)
 	$(PY) scripts/plan_vs_measured.py
+
+# The apps' own CPU defaults at K=2 against GPipe's bubble, cut by parameters and by time (~10 min).
+reproduce-app-pipelines: install
+	$(PY) scripts/reproduce_throughput.py --families nmt_app amoebanet_app --microbatches 1 2 4 8 \
+		--balance params --tag apps_params $(ARGS)
+	$(PY) scripts/reproduce_throughput.py --families nmt_app amoebanet_app --microbatches 1 2 4 8 \
+		--balance time --tag apps_time $(ARGS)
+	$(PY) scripts/app_efficiency.py docs/reproduction/throughput_apps_params.json \
+		docs/reproduction/throughput_apps_time.json
 
 clean:
 	rm -rf $(VENV) .cache out
