@@ -313,7 +313,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-mb", type=float, default=512.0,
                         help="per-process peak resident memory above the baseline, MB")
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4],
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8],
                         help="pipeline-K columns run with DistributedGPipe")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches M of the pipelines")
     parser.add_argument("--checkpoint", default="always",
