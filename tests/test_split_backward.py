@@ -135,8 +135,8 @@ def run_both(
                 assert got is None
             else:
                 torch.testing.assert_close(got, want, rtol=0, atol=TOL)
-    fused_params = dict(l for _, layer in fused.layers for l in layer.named_parameters())
-    split_params = dict(l for _, layer in split.layers for l in layer.named_parameters())
+    fused_params = _named_parameters(fused)
+    split_params = _named_parameters(split)
     assert fused_params.keys() == split_params.keys()
     for name, param in fused_params.items():
         assert param.grad is not None, name
@@ -145,6 +145,11 @@ def run_both(
     for (_, a), (_, b) in zip(fused.layers, split.layers, strict=True):
         for (name, x), (_, y) in zip(a.named_buffers(), b.named_buffers(), strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=0, msg=name)
+
+
+def _named_parameters(stage: Stage) -> dict[str, Tensor]:
+    return {f"{layer_name}.{name}": param for layer_name, layer in stage.layers
+            for name, param in layer.named_parameters()}
 
 
 def leaf(*shape: int) -> Tensor:
