@@ -210,3 +210,16 @@ def test_plan_with_a_zero_bubble_schedule() -> None:
                for p in split)
     with pytest.raises(ValueError, match="backward_weight has 1 values for 8 layers"):
         plan(schedule="zb_h1", backward_weight=[1.0], **kwargs)  # type: ignore[arg-type]
+
+
+def test_split_backward_events_draw(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from gpipe_core.trace import write_chrome_trace, write_timeline_png
+
+    sim = simulate(gp.zb_h2(3, 6), [1.0] * 3, [2.0] * 3)
+    write_chrome_trace(sim.events, tmp_path / "t.json")
+    write_timeline_png(sim.events, tmp_path / "t.png", num_stages=3)
+    categories = {e["cat"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    assert categories == {"forward", "backward_input", "backward_weight"}
+    assert (tmp_path / "t.png").stat().st_size > 1000
