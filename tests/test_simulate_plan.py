@@ -220,6 +220,7 @@ def test_split_backward_events_draw(tmp_path) -> None:  # type: ignore[no-untype
     sim = simulate(gp.zb_h2(3, 6), [1.0] * 3, [2.0] * 3)
     write_chrome_trace(sim.events, tmp_path / "t.json")
     write_timeline_png(sim.events, tmp_path / "t.png", num_stages=3)
-    categories = {e["cat"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    categories = {e["cat"] for e in events if e["ph"] == "X"}
     assert categories == {"forward", "backward_input", "backward_weight"}
     assert (tmp_path / "t.png").stat().st_size > 1000
