@@ -306,7 +306,8 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     Stage s warms up with 1F1B's K-1-s forwards, then repeats ``F I W``; its first s rounds
     leave W out (``F I``), so stage s defers s weight gradients, which fill the drain: each
     stage holds at most K micro-batches (between F and W), 1F1B's peak on its first stage.
-    With F = I = W = 1 unit every stage idles K-1 units per step, a third of 1F1B's 3(K-1).
+    With F = I = W = 1 unit and M >= K, every stage idles K-1 units per step, a third of
+    1F1B's 3(K-1).
     ``zb_h1(3, 4)`` in unit time (``draw``)::
 
         step     0    1    2    3    4    5    6    7    8    9    10   11   12   13
