@@ -9,7 +9,7 @@ from .groups import init_process_groups
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import Plan, plan
-from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b
+from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b, zb_h1, zb_h2
 from .shards import load_shards, save_shards
 from .simulate import Simulation, simulate
 from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
@@ -43,5 +43,7 @@ __all__ = [
     "ScheduleError",
     "gpipe",
     "one_f_one_b",
+    "zb_h1",
+    "zb_h2",
 ]
 __version__ = "0.1.0"

@@ -53,7 +53,9 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"``, ``"1f1b_slack1"`` (1F1B with one more
             forward ahead on every stage but the last: hides message latency for one more
-            micro-batch's activations; see :func:`~gpipe_core.one_f_one_b`), or a factory
+            micro-batch's activations; see :func:`~gpipe_core.one_f_one_b`), ``"zb_h1"`` or
+            ``"zb_h2"`` (zero-bubble: the backward split into I and W, W deferred into the
+            bubbles; see :func:`~gpipe_core.zb_h1`), or a factory
             ``(num_stages, num_microbatches) -> Schedule``.
         loss_fn: ``loss_fn(output_mb, target_mb) -> 0-dim tensor``, run on the last stage.
         loss_reduction: ``"mean"`` averages the micro-batch losses; ``"sum"`` adds them (then

@@ -58,11 +58,15 @@ def plan(
     transfer: float = 0.0,
     min_microbatch: int = 1,
     microbatch_costs: Mapping[int, tuple[Sequence[float], Sequence[float]]] | None = None,
+    backward_weight: Sequence[float] | None = None,
 ) -> list[Plan]:
     """All feasible plans, fastest first; raises if none fits ``memory_budget`` bytes.
 
     ``microbatch_costs[M] = (forward, backward)``: per-layer seconds of one micro-batch when
     the batch is split in M, used for that M instead of the whole-batch cost / M + overhead.
+    ``schedule``: any name :func:`~gpipe_core.schedule.get_schedule` knows. For schedules that
+    split the backward (``"zb_h1"``, ``"zb_h2"``), ``backward_weight`` gives each layer's part
+    of ``backward`` spent on parameter gradients (W; the rest is I); without it, half.
     """
     n = len(forward)
     microbatch_costs = dict(microbatch_costs or {})
@@ -73,6 +77,8 @@ def plan(
     if not (len(backward) == len(activation_bytes) == len(input_bytes) == len(param_bytes) == n):
         raise ValueError("give forward, backward, activation_bytes, input_bytes and param_bytes "
                          "for every layer (equal lengths)")
+    if backward_weight is not None and len(backward_weight) != n:
+        raise ValueError(f"backward_weight has {len(backward_weight)} values for {n} layers")
     plans = []
     for k in range(1, min(max_stages, n) + 1):
         balance = list(optimal_balance([f + b for f, b in zip(forward, backward, strict=True)], k))
@@ -92,14 +98,23 @@ def plan(
             else:
                 fwd = [per_stage(forward, a, b) / m + per_action_overhead for a, b in stages]
                 bwd = [per_stage(backward, a, b) / m + per_action_overhead for a, b in stages]
+            # W's share of each backward when split: the whole-batch costs' share of the stage.
+            wgt = None if backward_weight is None else [
+                cost * (per_stage(backward_weight, a, b) / per_stage(backward, a, b)
+                        if per_stage(backward, a, b) > 0 else 0.5)
+                for cost, (a, b) in zip(bwd, stages, strict=True)
+            ]
             acts = [per_stage(activation_bytes, a, b) / m for a, b in stages]
             inputs = [input_bytes[a] / m for a, _ in stages]
             params = [per_stage(param_bytes, a, b) for a, b in stages]
+            actions = get_schedule(schedule, k, m)
             for checkpoint in ("never", "except_last", "always"):
-                sim = simulate(get_schedule(schedule, k, m), fwd, bwd, transfer=transfer,
+                sim = simulate(actions, fwd, bwd, backward_weight=wgt, transfer=transfer,
                                checkpoint=checkpoint, activation_bytes=acts, input_bytes=inputs)
-                # Re-materializing needs one micro-batch's full activations during backward.
-                working = [acts[s] if checkpoint != "never" else 0.0 for s in range(k)]
+                # Re-materializing needs one micro-batch's full activations during backward
+                # (a split backward's I keeps them until W; the simulation counts that).
+                rebuilt = checkpoint != "never" and not actions.splits_backward
+                working = [acts[s] if rebuilt else 0.0 for s in range(k)]
                 peak = max(params[s] + sim.peak_bytes[s] + working[s] for s in range(k))
                 if peak <= memory_budget:
                     plans.append(Plan(k, m, checkpoint, balance, sim.step_time,

@@ -84,7 +84,9 @@ class StageRuntime:
         self.transport = transport
         self.record = record
         self.timeline: list[TimelineEvent] = []
-        self._backwards_left = 0  # of the current step; the last one carries a value back
+        # B or I actions (those that send a gradient) left in the current step; the last one
+        # carries a value back.
+        self._backwards_left = 0
 
     def begin_step(self, state: StepState) -> None:
         """Start ``state.step``; a zero ``state.num_microbatches`` is learnt from the previous
@@ -120,14 +122,20 @@ class StageRuntime:
                     state.outputs[mb] = outputs
             else:
                 self.transport.send_activation(mb, outputs)
-        else:
+        elif action.kind == "W":  # the parameters' gradient: nothing to receive or send
+            ready = start
+            stage.backward_weight(state.step, mb)
+        else:  # B or I: receive the output gradient, send the input gradient
             if stage.is_last:
                 grads = None if stage.loss_fn is not None else state.output_grads.pop(mb)
             else:
                 grads = self.transport.recv_gradient(mb)
             ready = time.perf_counter() if self.record else 0.0
-            input_grads = stage.backward(state.step, mb, grads)
-            self._backwards_left -= 1
+            if action.kind == "B":
+                input_grads = stage.backward(state.step, mb, grads)
+            else:
+                input_grads = stage.backward_input(state.step, mb, grads)
+            self._backwards_left -= 1  # gradient messages left; the last one carries
             if stage.is_first:
                 state.input_grads[mb] = input_grads
             else:

@@ -4,6 +4,17 @@ An action prints as ``"1F3"`` (stage 1, forward, micro-batch 3) and parses back,
 diffs as text and can be drawn. The same :class:`Schedule` drives the runtime, the simulator and
 the timeline.
 
+Kinds of action (the backward may be split in two, as in zero-bubble schedules)::
+
+    F  forward
+    B  backward: the gradient of the stage's input (sent to the previous stage) and of its
+       parameters, in one pass
+    I  backward to the input only: the gradient the previous stage waits for
+    W  backward to the parameters only (needs the stage's own I of the micro-batch, nothing
+       from other stages): it can wait, filling what would be a bubble
+
+Every stage runs, for every micro-batch, F and then either B, or I and later W.
+
 Fill-drain (GPipe) for K=3 stages and M=4 micro-batches, one column per clock step
 (``draw(gpipe(3, 4))``)::
 
@@ -17,19 +28,22 @@ Legend: K = num_stages, M = num_microbatches, s = stage index, m = micro-batch i
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "get_schedule"]
+__all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "zb_h1", "zb_h2",
+           "get_schedule"]
 
-Kind = Literal["F", "B"]
-_ACTION_RE = re.compile(r"^(\d+)([FB])(\d+)$")
+Kind = Literal["F", "B", "I", "W"]
+BACKWARD_KINDS = ("B", "I", "W")
+_ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: stage ``stage`` runs forward (F) or backward (B) on micro-batch ``mb``."""
+    """One unit of work: stage ``stage`` runs ``kind`` (F, B, I or W) on micro-batch ``mb``."""
 
     stage: int
     kind: Kind
@@ -42,7 +56,9 @@ class Action:
     def parse(cls, text: str) -> Action:
         match = _ACTION_RE.match(text.strip())
         if match is None:
-            raise ValueError(f"cannot parse action {text!r}; expected e.g. '1F3' or '0B2'")
+            raise ValueError(
+                f"cannot parse action {text!r}; expected e.g. '1F3', '0B2', '1I3' or '1W3'"
+            )
         stage, kind, mb = match.groups()
         return cls(int(stage), kind, int(mb))  # type: ignore[arg-type]
 
@@ -76,15 +92,35 @@ class Schedule:
         """True when every stage runs all of its forwards before any backward (fill-drain)."""
         for stage_actions in self.actions:
             kinds = [a.kind for a in stage_actions]
-            if "B" in kinds and "F" in kinds[kinds.index("B") :]:
+            backward = [i for i, kind in enumerate(kinds) if kind != "F"]
+            if backward and "F" in kinds[backward[0] :]:
                 return False
         return True
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when some backward runs as I and W (the stage must keep state until W)."""
+        return any(a.kind == "W" for row in self.actions for a in row)
+
+    def peak_held(self) -> list[int]:
+        """Per stage: the most micro-batches held at once, between their F and their B or W
+        (what activation memory scales with, without re-materialization)."""
+        peaks = []
+        for stage_actions in self.actions:
+            held = peak = 0
+            for action in stage_actions:
+                held += 1 if action.kind == "F" else -1 if action.kind in "BW" else 0
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
 
     def clock(self) -> list[list[Action]]:
         """Simulate the schedule in unit-time steps; return the actions that run at each step.
 
         A stage runs its next action as soon as its dependencies finished in an earlier step:
-        ``F(s, m)`` needs ``F(s-1, m)``; ``B(s, m)`` needs ``F(s, m)`` and ``B(s+1, m)``.
+        ``F(s, m)`` needs ``F(s-1, m)``; ``B(s, m)`` and ``I(s, m)`` need ``F(s, m)`` and the
+        gradient from stage s+1 (its ``B(s+1, m)`` or ``I(s+1, m)``); ``W(s, m)`` needs
+        ``I(s, m)``.
         Raises :class:`ScheduleError` (with the grid so far) when no stage can move.
         """
         validate_structure(self)
@@ -111,20 +147,31 @@ class Schedule:
                     + draw(self, steps, blocked=blocked)
                 )
             for action in ready:
-                done.add((action.stage, action.kind, action.mb))
+                done.update(_provides(action))
                 cursor[action.stage] += 1
             steps.append(ready)
         return steps
 
 
 def _dependencies(action: Action, num_stages: int) -> list[tuple[int, str, int]]:
+    """What ``action`` waits for; ``(s, "I", m)`` stands for "stage s sent m's gradient"."""
     s, m = action.stage, action.mb
     if action.kind == "F":
         return [(s - 1, "F", m)] if s > 0 else []
+    if action.kind == "W":
+        return [(s, "I", m)]
     deps = [(s, "F", m)]
     if s < num_stages - 1:
-        deps.append((s + 1, "B", m))
+        deps.append((s + 1, "I", m))
     return deps
+
+
+def _provides(action: Action) -> list[tuple[int, str, int]]:
+    """What finishing ``action`` makes available: a B also sends the input gradient."""
+    s, m = action.stage, action.mb
+    if action.kind == "B":
+        return [(s, "B", m), (s, "I", m)]
+    return [(s, action.kind, m)]
 
 
 def draw(
@@ -154,40 +201,48 @@ def draw(
 def validate_structure(schedule: Schedule) -> None:
     """Check completeness and message order; raise :class:`ScheduleError` naming the problem.
 
-    Every stage must run F and B exactly once for every micro-batch, F(m) before B(m), and
-    neighbouring stages must process micro-batches in the same order (point-to-point messages
-    are matched in order, so a mismatch would deliver the wrong micro-batch).
+    Every stage must run, for every micro-batch, F exactly once and then either B exactly once
+    or I and W exactly once each, in the order F, I, W. Neighbouring stages must process
+    micro-batches in the same order: forwards, and the actions that send a gradient (B or I);
+    point-to-point messages are matched in order, so a mismatch would deliver the wrong
+    micro-batch.
     """
     k, m = schedule.num_stages, schedule.num_microbatches
     if k < 1 or m < 1:
         raise ScheduleError(f"num_stages={k} and num_microbatches={m} must both be >= 1")
     if len(schedule.actions) != k:
         raise ScheduleError(f"schedule has {len(schedule.actions)} stage rows for num_stages={k}")
-    expected = {(kind, mb) for kind in "FB" for mb in range(m)}
     for stage, stage_actions in enumerate(schedule.actions):
-        seen = [(a.kind, a.mb) for a in stage_actions]
+        seen: list[tuple[str, int]] = [(a.kind, a.mb) for a in stage_actions]
         wrong_stage = [str(a) for a in stage_actions if a.stage != stage]
         if wrong_stage:
             raise ScheduleError(f"row of stage {stage} holds actions of other stages: {wrong_stage}")
+        split = {mb for kind, mb in seen if kind in "IW"}
+        expected = {("F", mb) for mb in range(m)}
+        expected |= {(kind, mb) for mb in range(m) for kind in ("IW" if mb in split else "B")}
         duplicates = sorted({f"{stage}{kind}{mb}" for kind, mb in seen if seen.count((kind, mb)) > 1})
         missing = sorted(f"{stage}{kind}{mb}" for kind, mb in expected - set(seen))
         extra = sorted(f"{stage}{kind}{mb}" for kind, mb in set(seen) - expected)
         if duplicates or missing or extra:
             raise ScheduleError(
                 f"stage {stage} of schedule {schedule.name!r} is incomplete: "
-                f"missing {missing}, duplicated {duplicates}, out of range {extra}\n"
-                f"stage {stage}: {' '.join(str(a) for a in stage_actions)}"
+                f"missing {missing}, duplicated {duplicates}, out of range or both B and I/W "
+                f"{extra}\nstage {stage}: {' '.join(str(a) for a in stage_actions)}"
             )
         for mb in range(m):
-            if seen.index(("B", mb)) < seen.index(("F", mb)):
-                raise ScheduleError(f"stage {stage} runs {stage}B{mb} before {stage}F{mb}")
+            order = ["F", "I", "W"] if mb in split else ["F", "B"]
+            for before, after in itertools.pairwise(order):
+                if seen.index((after, mb)) < seen.index((before, mb)):
+                    raise ScheduleError(
+                        f"stage {stage} runs {stage}{after}{mb} before {stage}{before}{mb}"
+                    )
     for stage in range(k - 1):
-        for kind in "FB":
-            here = [a.mb for a in schedule.actions[stage] if a.kind == kind]
-            there = [a.mb for a in schedule.actions[stage + 1] if a.kind == kind]
+        for label, kinds in (("forwards", "F"), ("gradient sends (B or I)", "BI")):
+            here = [a.mb for a in schedule.actions[stage] if a.kind in kinds]
+            there = [a.mb for a in schedule.actions[stage + 1] if a.kind in kinds]
             if here != there:
                 raise ScheduleError(
-                    f"stages {stage} and {stage + 1} run {kind} on micro-batches in different "
+                    f"stages {stage} and {stage + 1} run {label} on micro-batches in different "
                     f"orders ({here} vs {there}); messages between neighbours are matched in order"
                 )
 
@@ -244,12 +299,98 @@ def one_f_one_b(num_stages: int, num_microbatches: int, *, slack: int = 0) -> Sc
     return Schedule(name, num_stages, num_microbatches, tuple(rows))
 
 
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B with the backward
+    split into I and W, and W postponed to fill the bubbles; at most K micro-batches held.
+
+    Stage s warms up with 1F1B's K-1-s forwards, then repeats ``F I W``; its first s rounds
+    leave W out (``F I``), so stage s defers s weight gradients, which fill the drain: each
+    stage holds at most K micro-batches (between F and W), 1F1B's peak on its first stage.
+    With F = I = W = 1 unit and M >= K, every stage idles K-1 units per step, a third of
+    1F1B's 3(K-1).
+    ``zb_h1(3, 4)`` in unit time (``draw``)::
+
+        step     0    1    2    3    4    5    6    7    8    9    10   11   12   13
+        stage 0  0F0  0F1  0F2  .    .    0I0  0W0  0F3  0I1  0W1  0I2  0W2  0I3  0W3
+        stage 1  .    1F0  1F1  .    1I0  1F2  1I1  1W0  1F3  1I2  1W1  1I3  1W2  1W3
+        stage 2  .    .    2F0  2I0  2F1  2I1  2F2  2I2  2W0  2F3  2I3  2W1  2W2  2W3
+    """
+    _check_sizes(num_stages, num_microbatches)
+    k, m = num_stages, num_microbatches
+    rows = []
+    for s in range(k):
+        warmup = min(k - 1 - s, m)
+        row = [Action(s, "F", mb) for mb in range(warmup)]
+        next_f, next_i, next_w = warmup, 0, 0
+        while next_f < m:  # steady state: F I W, without W in the first s rounds
+            row += [Action(s, "F", next_f), Action(s, "I", next_i)]
+            next_f, next_i = next_f + 1, next_i + 1
+            if next_i > s:
+                row.append(Action(s, "W", next_w))
+                next_w += 1
+        while next_i < m:  # drain: I W
+            row += [Action(s, "I", next_i), Action(s, "W", next_w)]
+            next_i, next_w = next_i + 1, next_w + 1
+        row += [Action(s, "W", mb) for mb in range(next_w, m)]  # the deferred ones
+        rows.append(tuple(row))
+    return Schedule("zb_h1", k, m, tuple(rows))
+
+
+def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H2 (Qi et al., 2023): no bubble inside any stage's span, at most 2K-1 micro-batches
+    held per stage (about twice ZB-H1's K).
+
+    Built like the paper's heuristic: in unit time (F = I = W = 1), every stage at every step
+    runs the first ready action of: the I of its oldest micro-batch whose gradient arrived; the
+    next F if fewer than 2K-1 micro-batches are held (between F and W); its oldest pending W.
+    Stage s thus warms up with 2(K-1-s)+1 forwards, which fill the wait for its first gradient,
+    and finishes with its deferred W's, which fill the drain: for M >= 2K-1 stage s works
+    without a gap from unit step s to 3M+s (a parallelogram). With a synchronous step the last
+    stage still starts K-1 units late, so in unit time the step lasts 3M+K-1 as with ZB-H1;
+    ZB-H2 is faster when W costs less than F (ZB-H1's bubble then grows, ZB-H2's stays 0), and
+    the first stage finishes K-1 units early. ``zb_h2(2, 4)``::
+
+        step     0    1    2    3    4    5    6    7    8    9    10   11   12
+        stage 0  0F0  0F1  0F2  0I0  0W0  0I1  0F3  0I2  0W1  0W2  0I3  0W3  .
+        stage 1  .    1F0  1I0  1F1  1I1  1F2  1I2  1W0  1F3  1I3  1W1  1W2  1W3
+    """
+    _check_sizes(num_stages, num_microbatches)
+    k, m = num_stages, num_microbatches
+    limit = 2 * k - 1
+    rows: list[list[Action]] = [[] for _ in range(k)]
+    next_f, next_i, next_w = [0] * k, [0] * k, [0] * k
+    finished: dict[tuple[int, str, int], int] = {}  # unit step each action finished at
+    never = 1 << 62
+    time = 0
+    while any(w < m for w in next_w):
+        for s in range(k):
+            gradient_arrived = s == k - 1 or finished.get((s + 1, "I", next_i[s]), never) <= time
+            input_arrived = s == 0 or finished.get((s - 1, "F", next_f[s]), never) <= time
+            if next_i[s] < next_f[s] and gradient_arrived:
+                kind, mb = "I", next_i[s]
+                next_i[s] += 1
+            elif next_f[s] < m and next_f[s] - next_w[s] < limit and input_arrived:
+                kind, mb = "F", next_f[s]
+                next_f[s] += 1
+            elif next_w[s] < next_i[s]:
+                kind, mb = "W", next_w[s]
+                next_w[s] += 1
+            else:
+                continue
+            rows[s].append(Action(s, kind, mb))  # type: ignore[arg-type]
+            finished[(s, kind, mb)] = time + 1
+        time += 1
+    return Schedule("zb_h2", k, m, tuple(tuple(row) for row in rows))
+
+
 _SLACK_RE = re.compile(r"^1f1b_slack(\d+)$")
-_SCHEDULES = {"gpipe": gpipe, "fill_drain": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b}
+_SCHEDULES = {"gpipe": gpipe, "fill_drain": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b,
+              "zb_h1": zb_h1, "zb_h2": zb_h2}
 
 
 def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build a schedule by name (``"gpipe"`` or ``"1f1b"``), or check a given one's sizes."""
+    """Build a schedule by name (``"gpipe"``, ``"1f1b"``, ``"1f1b_slackN"``, ``"zb_h1"``,
+    ``"zb_h2"``), or check a given one's sizes."""
     if isinstance(name, Schedule):
         if (name.num_stages, name.num_microbatches) != (num_stages, num_microbatches):
             raise ScheduleError(

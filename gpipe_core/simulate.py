@@ -2,11 +2,12 @@
 
 The simulator replays a :class:`~gpipe_core.schedule.Schedule` in continuous time: each stage
 runs its actions in order, an action starts when the stage is free and its dependency has
-arrived (``F(s, m)`` after ``F(s-1, m)`` plus the transfer time; ``B(s, m)`` after ``F(s, m)``
-and ``B(s+1, m)`` plus the transfer time). A re-materialized micro-batch runs its first forward
-without autograd and pays a forward with autograd again in backward. The result carries the
-same :class:`TimelineEvent` records the runtime writes, so a predicted timeline draws exactly
-like a measured one.
+arrived (``F(s, m)`` after ``F(s-1, m)`` plus the transfer time; ``B(s, m)`` and ``I(s, m)``
+after ``F(s, m)`` and the gradient from stage s+1, its ``B`` or ``I``, plus the transfer time;
+``W(s, m)`` after ``I(s, m)`` on the same stage). A re-materialized micro-batch runs its first
+forward without autograd and pays a forward with autograd again in its backward (B or I; W
+reuses the graph I rebuilt). The result carries the same :class:`TimelineEvent` records the
+runtime writes, so a predicted timeline draws exactly like a measured one.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ class Simulation:
     step_time: float
     bubble_fraction: float  # idle share of all stages' time over the step
     events: list[TimelineEvent]
-    peak_inflight: list[int]  # per stage: most micro-batches between their F and their B
+    peak_inflight: list[int]  # per stage: most micro-batches between their F and their B/W
     peak_bytes: list[float]  # per stage: activation bytes at that peak (0 without sizes)
 
 
 def simulate(
     schedule: Schedule,
     forward: Sequence[float],
-    backward: Sequence[float],
+    backward: Sequence[float] | None = None,
     *,
+    backward_input: Sequence[float] | None = None,
+    backward_weight: Sequence[float] | None = None,
     transfer: float | Sequence[float] = 0.0,
     checkpoint: str = "never",
     recompute: Sequence[float] | None = None,
@@ -46,20 +49,27 @@ def simulate(
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times.
 
+    Backward costs: ``backward[s]`` is a whole backward (B); ``backward_input[s]`` (I) and
+    ``backward_weight[s]`` (W) are its two halves in a split schedule. Give ``backward``, or
+    both halves (then B costs their sum), or ``backward`` and one half (the other is the rest).
+    With only ``backward``, I and W are taken to cost half of it each.
     ``transfer``: seconds from the end of an action to its dependant's earliest start on the
     neighbouring stage, one value for every boundary or one per boundary ``s -> s+1`` (K-1
     values; activations and gradients cross a boundary in the same time).
     Re-materialized micro-batches (``checkpoint``) run their forward without autograd
     (``forward_no_grad[s]``, default ``forward[s]``) and pay a forward with autograd again
-    before their backward (``recompute[s]``, default ``forward[s]``).
+    before their backward, in B or I (``recompute[s]``, default ``forward[s]``).
     ``activation_bytes[s]``: what stage s keeps for one micro-batch's backward without
-    re-materialization; ``input_bytes[s]``: its input, all it keeps when re-materialized.
+    re-materialization, from F until B or W; ``input_bytes[s]``: its input, all it keeps when
+    re-materialized until B or I (I rebuilds the graph, which W needs: activation bytes again).
     """
     k, m = schedule.num_stages, schedule.num_microbatches
     for name, values in (("forward", forward), ("backward", backward),
+                         ("backward_input", backward_input), ("backward_weight", backward_weight),
                          ("recompute", recompute), ("forward_no_grad", forward_no_grad)):
         if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} costs for {k} stages; give one per stage")
+    costs = {"F": list(forward), **_backward_costs(backward, backward_input, backward_weight)}
     if isinstance(transfer, (int, float)):
         links = [float(transfer)] * max(k - 1, 0)
     else:
@@ -90,23 +100,30 @@ def simulate(
                     break
                 start = max(free[s], ready)
                 rematerialized = action.mb < stop
-                if action.kind == "F":
-                    duration = first_pass[s] if rematerialized else forward[s]
-                else:
-                    duration = backward[s] + (rerun[s] if rematerialized else 0.0)
+                duration = costs[action.kind][s]
+                if action.kind == "F" and rematerialized:
+                    duration = first_pass[s]
+                elif action.kind in "BI" and rematerialized:
+                    duration += rerun[s]
                 end = start + duration
                 finish[(s, action.kind, action.mb)] = end
+                if action.kind == "B":
+                    finish[(s, "I", action.mb)] = end  # a B sends the input gradient too
                 free[s] = end
                 events.append(TimelineEvent(s, str(action), start, end))
-                size = _kept_bytes(s, action.mb < stop, activation_bytes, input_bytes)
+                held = _kept_bytes(s, rematerialized, activation_bytes, input_bytes)
                 if action.kind == "F":
                     inflight[s] += 1
-                    kept[s] += size
-                    peak_inflight[s] = max(peak_inflight[s], inflight[s])
-                    peak_bytes[s] = max(peak_bytes[s], kept[s])
-                else:
+                    kept[s] += held
+                elif action.kind == "I":
+                    # I rebuilt a re-materialized micro-batch's graph; W needs it.
+                    kept[s] += _kept_bytes(s, False, activation_bytes, input_bytes) - held
+                else:  # B or W: the micro-batch's state is freed
                     inflight[s] -= 1
-                    kept[s] -= size
+                    kept[s] -= _kept_bytes(s, action.kind == "B" and rematerialized,
+                                           activation_bytes, input_bytes)
+                peak_inflight[s] = max(peak_inflight[s], inflight[s])
+                peak_bytes[s] = max(peak_bytes[s], kept[s])
                 cursor[s] += 1
                 done += 1
                 progressed = True
@@ -128,12 +145,14 @@ def _ready_time(
             return 0.0
         previous = finish.get((s - 1, "F", mb))
         return None if previous is None else previous + links[s - 1]
+    if kind == "W":
+        return finish.get((s, "I", mb))
     own = finish.get((s, "F", mb))
     if own is None:
         return None
     if s == k - 1:
         return own
-    later = finish.get((s + 1, "B", mb))
+    later = finish.get((s + 1, "I", mb))  # the next stage's B or I sent the gradient
     return None if later is None else max(own, later + links[s])
 
 
@@ -148,3 +167,30 @@ def _kept_bytes(
     if rematerialized:
         return input_bytes[s] if input_bytes is not None else 0.0
     return activation_bytes[s]
+
+
+def _backward_costs(
+    backward: Sequence[float] | None,
+    backward_input: Sequence[float] | None,
+    backward_weight: Sequence[float] | None,
+) -> dict[str, list[float]]:
+    """Per-stage costs of B, I and W from whichever of them were given."""
+    if backward is None:
+        if backward_input is None or backward_weight is None:
+            raise ValueError("give backward costs: backward, or backward_input and "
+                             "backward_weight (B then costs their sum)")
+        inputs, weights = list(backward_input), list(backward_weight)
+        return {"B": [i + w for i, w in zip(inputs, weights, strict=True)], "I": inputs,
+                "W": weights}
+    whole = list(backward)
+    if backward_input is not None and backward_weight is not None:
+        inputs, weights = list(backward_input), list(backward_weight)
+    elif backward_input is not None:
+        inputs = list(backward_input)
+        weights = [b - i for b, i in zip(whole, inputs, strict=True)]
+    elif backward_weight is not None:
+        weights = list(backward_weight)
+        inputs = [b - w for b, w in zip(whole, weights, strict=True)]
+    else:
+        inputs = weights = [b / 2 for b in whole]
+    return {"B": whole, "I": inputs, "W": weights}

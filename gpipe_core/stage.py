@@ -5,6 +5,12 @@ For every micro-batch a stage keeps what its backward will need, and frees it in
     re-materialized:  the partition's input only; the forward runs again, with autograd, in B
     kept:             the input and the forward's autograd graph
 
+The backward runs whole (B, :meth:`Stage.backward`) or in two parts (zero-bubble schedules):
+I (:meth:`Stage.backward_input`) returns the inputs' gradient and keeps the graph, with the
+re-materialized forward run again there; W (:meth:`Stage.backward_weight`) then computes the
+parameters' gradient from where I stopped (:mod:`gpipe_core.split_backward`) and frees the
+micro-batch's state.
+
 Inputs arrive detached (from the previous stage or the user); floating-point tensors that
 required grad on the sending side become leaves that require grad here, so backward yields the
 gradient to send back. Every layer's forward draws its randomness from a generator seeded by
@@ -13,8 +19,8 @@ gradient to send back. Every layer's forward draws its randomness from a generat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .batchnorm import DeferredBatchNorm, frozen_running_stats
 from .microbatch import flatten, unflatten
 from .remat import checkpoint_stop, fork_rng, layer_seeds, seed_rng
+from .split_backward import PendingWeights
+from .split_backward import backward_input as split_backward_input
 
 __all__ = ["Stage", "StagePosition", "LossFn"]
 
@@ -40,6 +48,7 @@ class _Saved:
     spec: Any
     outputs: Any | None
     targets: Any
+    pending: PendingWeights | None = None  # after I: what W needs
 
 
 class StagePosition:
@@ -198,49 +207,101 @@ class Stage(StagePosition):
         ``grad_outputs`` holds one gradient (or None) per output leaf; the last stage of a
         pipeline with a ``loss_fn`` passes None and backpropagates its stored loss.
         """
-        try:
-            saved = self._saved.pop((step, mb))
-        except KeyError:
-            raise RuntimeError(
-                f"stage {self.stage_index} has no forward state for micro-batch {mb} of step "
-                f"{step}: backward without forward, or backward twice (retain_graph is not "
-                "supported by the pipeline)"
-            ) from None
-        # Recomputation must leave BatchNorm's running statistics as the first forward left
-        # them (the context encloses backward: a restored buffer may still be read there).
-        frozen = (frozen_running_stats(self._batchnorms) if saved.outputs is None
-                  else nullcontext())
-        with torch.enable_grad(), frozen:
-            outputs = saved.outputs
-            if outputs is None:
-                outputs = self._run_layers(step, mb, unflatten(saved.inputs, saved.spec))
-                if self.loss_fn is not None:
-                    outputs = self._loss(step, mb, outputs, saved.targets)
-            if self.loss_fn is not None:
-                assert isinstance(outputs, Tensor)
-                tensors: list[Tensor] = [outputs]
-                grads: list[Tensor | None] = [None]
-            else:
-                if grad_outputs is None:
-                    raise RuntimeError(f"stage {self.stage_index} needs gradients of its outputs")
-                out_leaves, _ = flatten(outputs)
-                if len(out_leaves) != len(grad_outputs):
-                    raise RuntimeError(
-                        f"stage {self.stage_index} got {len(grad_outputs)} output gradients for "
-                        f"{len(out_leaves)} outputs of micro-batch {mb}"
-                    )
-                pairs = [
-                    (o, g)
-                    for o, g in zip(out_leaves, grad_outputs, strict=True)
-                    if isinstance(o, Tensor) and o.requires_grad and g is not None
-                ]
-                tensors = [o for o, _ in pairs]
-                grads = [g for _, g in pairs]
+        saved = self._take(step, mb, "backward")
+        with self._rebuilding(saved):
+            tensors, grads = self._backward_roots(step, mb, saved, grad_outputs)
             if tensors and tensors[0].requires_grad:
                 torch.autograd.backward(tensors, grads)  # type: ignore[arg-type]
         return [
             x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in saved.inputs
         ]
+
+    def backward_input(self, step: int, mb: int, grad_outputs: Grads | None) -> Grads:
+        """The first part of a split backward (I): return the gradient of every input leaf
+        (or None), as :meth:`backward` does, but leave the parameters' gradient to
+        :meth:`backward_weight`; the micro-batch's graph is kept until then."""
+        saved = self._saved.get((step, mb))
+        if saved is None or saved.pending is not None:
+            raise RuntimeError(
+                f"stage {self.stage_index} cannot run backward_input for micro-batch {mb} of "
+                f"step {step}: {'no forward state' if saved is None else 'it already ran'}"
+            )
+        with self._rebuilding(saved):
+            tensors, grads = self._backward_roots(step, mb, saved, grad_outputs)
+            if tensors and not tensors[0].requires_grad:
+                tensors, grads = [], []
+            input_grads, saved.pending = split_backward_input(
+                tensors, grads, saved.inputs, self._parameters_requiring_grad()
+            )
+        return input_grads
+
+    def backward_weight(self, step: int, mb: int) -> None:
+        """The second part of a split backward (W): accumulate the parameters' gradient of
+        micro-batch ``mb`` into ``.grad``, as :meth:`backward` does; free its state."""
+        saved = self._saved.get((step, mb))
+        if saved is None or saved.pending is None:
+            raise RuntimeError(
+                f"stage {self.stage_index} cannot run backward_weight for micro-batch {mb} of "
+                f"step {step}: backward_input must run first (and W only once)"
+            )
+        del self._saved[(step, mb)]
+        with torch.enable_grad():
+            saved.pending.run()
+
+    def _take(self, step: int, mb: int, what: str) -> _Saved:
+        try:
+            saved = self._saved.pop((step, mb))
+        except KeyError:
+            raise RuntimeError(
+                f"stage {self.stage_index} has no forward state for micro-batch {mb} of step "
+                f"{step}: {what} without forward, or backward twice (retain_graph is not "
+                "supported by the pipeline)"
+            ) from None
+        return saved
+
+    @contextmanager
+    def _rebuilding(self, saved: _Saved) -> Iterator[None]:
+        """Autograd on; for a re-materialized micro-batch, BatchNorm's running statistics left
+        as the first forward left them. The context encloses the backward: a buffer restored
+        by copy (BatchNorm subclasses with their own forward) may still be read there. W runs
+        outside it; with such a layer, use B (or no re-materialization) instead of I/W."""
+        frozen = (frozen_running_stats(self._batchnorms) if saved.outputs is None
+                  else nullcontext())
+        with torch.enable_grad(), frozen:
+            yield
+
+    def _backward_roots(
+        self, step: int, mb: int, saved: _Saved, grad_outputs: Grads | None
+    ) -> tuple[list[Tensor], list[Tensor | None]]:
+        """The tensors to backpropagate from and their gradients; runs a re-materialized
+        forward again (and keeps its result for W)."""
+        outputs = saved.outputs
+        if outputs is None:
+            outputs = self._run_layers(step, mb, unflatten(saved.inputs, saved.spec))
+            if self.loss_fn is not None:
+                outputs = self._loss(step, mb, outputs, saved.targets)
+            saved.outputs = outputs
+        if self.loss_fn is not None:
+            assert isinstance(outputs, Tensor)
+            return [outputs], [None]
+        if grad_outputs is None:
+            raise RuntimeError(f"stage {self.stage_index} needs gradients of its outputs")
+        out_leaves, _ = flatten(outputs)
+        if len(out_leaves) != len(grad_outputs):
+            raise RuntimeError(
+                f"stage {self.stage_index} got {len(grad_outputs)} output gradients for "
+                f"{len(out_leaves)} outputs of micro-batch {mb}"
+            )
+        pairs = [
+            (o, g)
+            for o, g in zip(out_leaves, grad_outputs, strict=True)
+            if isinstance(o, Tensor) and o.requires_grad and g is not None
+        ]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _parameters_requiring_grad(self) -> list[Tensor]:
+        unique = {id(p): p for _, layer in self.layers for p in layer.parameters()}
+        return [p for p in unique.values() if p.requires_grad]
 
 
 def _as_input_leaf(value: Any, grad_enabled: bool) -> Any:

@@ -31,7 +31,7 @@ def write_chrome_trace(events: Sequence[TimelineEvent], path: str | Path) -> Non
         "traceEvents": [
             {
                 "name": e.action,
-                "cat": "forward" if "F" in e.action else "backward",
+                "cat": _CATEGORY[_kind(e.action)],
                 "ph": "X",
                 "pid": 0,
                 "tid": e.stage,
@@ -60,7 +60,8 @@ def bubble_fraction(events: Sequence[TimelineEvent], num_stages: int) -> float:
 
 
 def write_timeline_png(events: Sequence[TimelineEvent], path: str | Path, *, num_stages: int) -> None:
-    """Draw one row per stage, forwards blue and backwards orange, so the bubble shows."""
+    """Draw one row per stage, forwards blue, backwards (B or I) orange and weight gradients
+    (W) green, so the bubble shows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,7 +70,7 @@ def write_timeline_png(events: Sequence[TimelineEvent], path: str | Path, *, num
     origin = min((e.start for e in events), default=0.0)
     fig, ax = plt.subplots(figsize=(10, 0.6 * num_stages + 1.2))
     for e in events:
-        color = "tab:blue" if "F" in e.action else "tab:orange"
+        color = _COLOR[_kind(e.action)]
         ax.broken_barh([((e.start - origin) * 1e3, (e.end - e.start) * 1e3)],
                        (e.stage - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
         width_ms = (e.end - e.start) * 1e3
@@ -83,3 +84,12 @@ def write_timeline_png(events: Sequence[TimelineEvent], path: str | Path, *, num
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+_CATEGORY = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+_COLOR = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+
+
+def _kind(action: str) -> str:
+    """The kind letter of a printed action such as ``"12W3"``."""
+    return next(c for c in action if c.isalpha())

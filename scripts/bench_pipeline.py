@@ -6,8 +6,9 @@ memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's def
 ``--no-quiet-io`` lets gloo's I/O thread preempt our transport's calls. For each M in 1, 2,
 4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
-micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, and 1F1B with one forward
-of slack) and ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each
+micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, 1F1B with one forward
+of slack, and the zero-bubble ZB-H1 and ZB-H2, whose backward runs as I and W) and
+``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each
 row: median seconds per training step, speedup over the plain run, efficiency against the
 ideal pipeline (the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and
 each rank's peak resident memory during a step, with the part of it the step itself added.
@@ -38,7 +39,8 @@ import gpipe_core as gp
 
 K = 2
 # Our schedules and the torch.distributed.pipelining schedule each is compared with.
-TORCH_COUNTERPART = {"gpipe": "gpipe", "1f1b": "1f1b", "1f1b_slack1": "1f1b"}
+TORCH_COUNTERPART = {"gpipe": "gpipe", "1f1b": "1f1b", "1f1b_slack1": "1f1b", "zb_h1": "1f1b",
+                     "zb_h2": "1f1b"}
 
 
 class Block(nn.Module):
@@ -151,7 +153,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
         for schedule, fn in plain_steps(plain_model, x, y, m, rank).items():
             configs[("plain", schedule)] = fn
         for impl, schedule in (("gpipe_core", "gpipe"), ("gpipe_core", "1f1b"),
-                               ("gpipe_core", "1f1b_slack1"),
+                               ("gpipe_core", "1f1b_slack1"), ("gpipe_core", "zb_h1"),
+                               ("gpipe_core", "zb_h2"),
                                ("torch.pipelining", "gpipe"), ("torch.pipelining", "1f1b")):
             model = build(args.blocks, args.width)
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint,
@@ -281,7 +284,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for impl in ("gpipe_core", "torch.pipelining"):
-        for schedule, style in (("gpipe", "-o"), ("1f1b", "--s"), ("1f1b_slack1", "-.^")):
+        for schedule, style in (("gpipe", "-o"), ("1f1b", "--s"), ("1f1b_slack1", "-.^"),
+                                ("zb_h1", ":v"), ("zb_h2", ":D")):
             sel = [r for r in rows if r["impl"] == impl and r["schedule"] == schedule]
             if sel:
                 ax.plot([r["M"] for r in sel], [r["speedup"] for r in sel], style,

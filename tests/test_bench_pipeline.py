@@ -27,6 +27,7 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
     for m in (1, 2):
         for key in (("plain", "whole"), ("plain", "chunked"), ("gpipe_core", "gpipe"),
                     ("gpipe_core", "1f1b"), ("gpipe_core", "1f1b_slack1"),
+                    ("gpipe_core", "zb_h1"), ("gpipe_core", "zb_h2"),
                     ("torch.pipelining", "gpipe")):
             row = rows[(*key, m)]
             assert row["seconds"] > 0 and len(row["samples"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_core.runtime import StageRuntime, StepCounter, StepState
-from gpipe_core.schedule import gpipe, one_f_one_b
+from gpipe_core.schedule import gpipe, one_f_one_b, zb_h1, zb_h2
 from gpipe_core.stage import Stage
 from gpipe_core.transport import LocalTransport, Mailbox
 
@@ -33,7 +34,7 @@ def runtimes(model: nn.Sequential, *, record: bool = False) -> list[StageRuntime
                          record=record) for stage in stages]
 
 
-@pytest.mark.parametrize("schedule", [gpipe, one_f_one_b])
+@pytest.mark.parametrize("schedule", [gpipe, one_f_one_b, zb_h1, zb_h2])
 def test_a_step_carries_the_loss_back_and_matches_the_plain_model(schedule) -> None:  # type: ignore[no-untyped-def]
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
@@ -84,3 +85,27 @@ def test_step_counter() -> None:
     counted = Counted()
     counted.steps_done = 5  # type: ignore[assignment]
     assert counted.steps_done == 5 and counted._step == 5
+
+
+@pytest.mark.parametrize("schedule", [zb_h1, zb_h2])
+def test_split_backward_step_gives_the_plain_models_gradients(schedule) -> None:  # type: ignore[no-untyped-def]
+    # I sends the gradient like B; W sends nothing; the carried loss still arrives although
+    # W actions run after the last gradient message.
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    sum(loss_fn(reference(a), b) for a, b in zip(x.chunk(4), y.chunk(4), strict=True)).backward()
+    state = StepState(0, 4, inputs=list(x.chunk(4)), targets=list(y.chunk(4)), keep_outputs=False)
+    pipeline = runtimes(model, record=True)
+    for runtime in pipeline:
+        runtime.begin_step(state)
+    for tick in schedule(2, 4).clock():
+        for action in tick:
+            pipeline[action.stage].run_action(action, state)
+    carried = [runtime.finish_step() for runtime in pipeline]
+    assert not math.isnan(carried[0])
+    assert all(r.stage.num_saved == 0 for r in pipeline)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+    kinds = {e.action[1] for r in pipeline for e in r.timeline}
+    assert kinds == {"F", "I", "W"}

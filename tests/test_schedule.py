@@ -1,4 +1,5 @@
-"""Schedules as data: exact fill-drain and 1F1B action lists, parsing, and the validator."""
+"""Schedules as data: exact fill-drain, 1F1B and zero-bubble action lists, parsing, and the
+validator."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from gpipe_core.schedule import (
     gpipe,
     one_f_one_b,
     validate,
+    zb_h1,
+    zb_h2,
 )
 
 
@@ -22,6 +25,10 @@ def test_action_prints_and_parses() -> None:
     assert Action.parse("1F3") == action
     with pytest.raises(ValueError, match="cannot parse"):
         Action.parse("F13")
+    assert [str(Action.parse(t)) for t in ("1I3", "1W3", "0B2")] == ["1I3", "1W3", "0B2"]
+    assert Action.parse("1W3") == Action(1, "W", 3)
+    with pytest.raises(ValueError, match="cannot parse"):
+        Action.parse("1X3")
 
 
 def test_gpipe_actions_k3_m4() -> None:
@@ -119,3 +126,147 @@ def test_validator_catches_backward_before_forward() -> None:
     broken = Schedule.from_text("0B0 0F0")
     with pytest.raises(ScheduleError, match="0B0 before 0F0"):
         validate(broken)
+
+
+# -- zero-bubble schedules: the backward split into I (input gradient) and W (weights) -------
+
+
+def test_zb_h1_actions_written_out_by_hand() -> None:
+    # Stage s: 1F1B's K-1-s warm-up forwards, then rounds F I W whose first s rounds leave W
+    # out (deferred), then the drain I W, then the deferred W's.
+    assert str(zb_h1(2, 4)) == (
+        "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3\n"
+        "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3"
+    )
+    assert str(zb_h1(3, 4)) == (
+        "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3\n"
+        "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3\n"
+        "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3"
+    )
+    # The picture of the paper's Figure 3 (top): one bubble of K-1 units per stage, at the
+    # start (stage 0 waits for its first gradient) or split between start and middle.
+    assert draw(zb_h1(3, 4)) == "\n".join(
+        [
+            "step     0    1    2    3    4    5    6    7    8    9    10   11   12   13",
+            "stage 0  0F0  0F1  0F2  .    .    0I0  0W0  0F3  0I1  0W1  0I2  0W2  0I3  0W3",
+            "stage 1  .    1F0  1F1  .    1I0  1F2  1I1  1W0  1F3  1I2  1W1  1I3  1W2  1W3",
+            "stage 2  .    .    2F0  2I0  2F1  2I1  2F2  2I2  2W0  2F3  2I3  2W1  2W2  2W3",
+        ]
+    )
+    assert Schedule.from_text(str(zb_h1(3, 4)), name="zb_h1") == zb_h1(3, 4)
+
+
+def test_zb_h2_actions_written_out_by_hand() -> None:
+    # K=2: stage 0 warms up with 2K-1 = 3 forwards (the most it may hold), which fill the
+    # wait for its first gradient; the last stage runs I as soon as it can and defers W.
+    # Derived step by step with the rule I > F (while fewer than 2K-1 held) > W in unit time.
+    assert str(zb_h2(2, 4)) == (
+        "0F0 0F1 0F2 0I0 0W0 0I1 0F3 0I2 0W1 0W2 0I3 0W3\n"
+        "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1F3 1I3 1W1 1W2 1W3"
+    )
+    assert draw(zb_h2(2, 4)) == "\n".join(
+        [
+            "step     0    1    2    3    4    5    6    7    8    9    10   11   12",
+            "stage 0  0F0  0F1  0F2  0I0  0W0  0I1  0F3  0I2  0W1  0W2  0I3  0W3  .",
+            "stage 1  .    1F0  1I0  1F1  1I1  1F2  1I2  1W0  1F3  1I3  1W1  1W2  1W3",
+        ]
+    )
+    # K=3: 5, 3 and 1 warm-up forwards on stages 0, 1, 2.
+    assert str(zb_h2(3, 6)) == (
+        "0F0 0F1 0F2 0F3 0F4 0I0 0W0 0I1 0F5 0I2 0W1 0I3 0W2 0I4 0W3 0W4 0I5 0W5\n"
+        "1F0 1F1 1F2 1I0 1F3 1I1 1F4 1I2 1W0 1I3 1F5 1I4 1W1 1W2 1I5 1W3 1W4 1W5\n"
+        "2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2F4 2I4 2W0 2F5 2I5 2W1 2W2 2W3 2W4 2W5"
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_zero_bubble_schedules_validate_and_run_every_action(k: int, m: int) -> None:
+    for schedule in (zb_h1(k, m), zb_h2(k, m)):
+        validate(schedule)
+        assert schedule.splits_backward
+        assert schedule.forward_then_backward == (m == 1)
+        actions = [a for tick in schedule.clock() for a in tick]
+        assert sorted(actions) == sorted(a for row in schedule.actions for a in row)
+        assert len(actions) == 3 * k * m
+        draw(schedule)  # draws without error
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (3, 6), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_unit_time(k: int, m: int) -> None:
+    # With F = I = W = 1 unit, 1F1B idles 3(K-1) units per stage; ZB-H1 a third of that.
+    h1 = zb_h1(k, m).clock()
+    assert len(h1) == 3 * m + k - 1
+    h2 = zb_h2(k, m).clock()
+    assert len(h2) == 3 * m + k - 1
+    # ZB-H2 is a parallelogram: stage s works without a gap from step s to 3M + s.
+    for s in range(k):
+        busy = [t for t, tick in enumerate(h2) if any(a.stage == s for a in tick)]
+        assert busy == list(range(s, 3 * m + s)), s
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_peak_microbatches_held_match_each_schedules_bound(k: int, m: int) -> None:
+    # Held: between F and B (or W, which needs the forward's state too).
+    assert gpipe(k, m).peak_held() == [m] * k
+    assert one_f_one_b(k, m).peak_held() == [min(k - s, m) for s in range(k)]
+    assert zb_h1(k, m).peak_held() == [min(k, m)] * k  # 1F1B's peak (its first stage's)
+    assert zb_h2(k, m).peak_held() == [min(2 * k - 1, m)] * k  # about twice
+
+
+def test_get_schedule_knows_the_zero_bubble_schedules() -> None:
+    assert get_schedule("zb_h1", 3, 5) == zb_h1(3, 5)
+    assert get_schedule("zb_h2", 3, 5) == zb_h2(3, 5)
+    assert get_schedule(zb_h1(3, 5), 3, 5) == zb_h1(3, 5)
+    with pytest.raises(ValueError, match="zb_h1"):
+        get_schedule("zb_h3", 3, 5)
+
+
+def test_validator_catches_weight_gradient_before_input_gradient() -> None:
+    broken = Schedule.from_text("0F0 0W0 0I0\n1F0 1I0 1W0")
+    with pytest.raises(ScheduleError, match="0W0 before 0I0"):
+        validate(broken)
+
+
+def test_validator_catches_input_gradient_before_forward() -> None:
+    broken = Schedule.from_text("0F0 0I0 0W0\n1I0 1F0 1W0")
+    with pytest.raises(ScheduleError, match="1I0 before 1F0"):
+        validate(broken)
+
+
+def test_validator_catches_missing_weight_gradient() -> None:
+    broken = Schedule.from_text("0F0 0F1 0I0 0W0 0I1 0W1\n1F0 1I0 1W0 1F1 1I1")
+    with pytest.raises(ScheduleError, match=r"missing \['1W1'\]"):
+        validate(broken)
+
+
+def test_validator_catches_both_b_and_split_backward() -> None:
+    broken = Schedule.from_text("0F0 0B0 0I0 0W0")
+    with pytest.raises(ScheduleError, match=r"both B and I/W \['0B0'\]"):
+        validate(broken)
+
+
+def test_validator_catches_split_backward_deadlock_and_draws_the_grid() -> None:
+    # Stage 0 holds 0F1 back until its I0, which needs 1I0; stage 1 runs 1F1 before 1I0.
+    broken = Schedule.from_text("0F0 0I0 0F1 0W0 0I1 0W1\n1F0 1F1 1I0 1W0 1I1 1W1")
+    with pytest.raises(ScheduleError) as info:
+        validate(broken)
+    message = str(info.value)
+    assert "deadlocks at step 2" in message
+    assert "0I0!" in message and "1F1!" in message
+
+
+def test_validator_catches_mismatched_gradient_order_across_b_and_i() -> None:
+    # Stage 1 sends gradients (I) for 1 then 0; stage 0 receives (B) in the order 0, 1.
+    broken = Schedule.from_text("0F0 0F1 0B0 0B1\n1F0 1F1 1I1 1I0 1W0 1W1")
+    with pytest.raises(ScheduleError, match=r"gradient sends \(B or I\)"):
+        validate(broken)
+
+
+def test_w_waits_only_for_its_own_stage() -> None:
+    # A W needs nothing from other stages: the last stage's W0 runs in the same step as 0I0.
+    steps = zb_h1(2, 1).clock()
+    assert [sorted(str(a) for a in tick) for tick in steps] == [
+        ["0F0"], ["1F0"], ["1I0"], ["0I0", "1W0"], ["0W0"]
+    ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import gpipe_core as gp
@@ -122,3 +124,121 @@ def test_plan_uses_the_costs_measured_at_each_microbatch_count() -> None:
     assert measured.step_time == pytest.approx(6.0)
     with pytest.raises(ValueError, match="microbatch_costs\\[4\\] has 1 forward"):
         gp.plan(**common, microbatch_costs={4: ([1.0], [2.0])})
+
+
+# -- the backward split into I (input gradient) and W (weight gradient) -----------------------
+
+
+def test_hand_computed_timeline_of_a_split_backward() -> None:
+    # zb_h1(2, 2): stage 0 runs F0 F1 I0 W0 I1 W1, stage 1 F0 I0 F1 I1 W0 W1. By hand, with
+    # F = [1, 2], I = [1, 1.5], W = [0.5, 1] and 0.25 s per transfer:
+    #   stage 0: F0 0-1, F1 1-2
+    #   stage 1: F0 1.25-3.25, I0 3.25-4.75, F1 4.75-6.75 (ready at 2.25, the stage is busy),
+    #            I1 6.75-8.25, W0 8.25-9.25, W1 9.25-10.25
+    #   stage 0: I0 5-6 (4.75 + 0.25), W0 6-6.5 (needs only its own I0), I1 8.5-9.5, W1 9.5-10
+    schedule = gp.zb_h1(2, 2)
+    assert str(schedule) == "0F0 0F1 0I0 0W0 0I1 0W1\n1F0 1I0 1F1 1I1 1W0 1W1"
+    sim = simulate(schedule, [1.0, 2.0], backward_input=[1.0, 1.5], backward_weight=[0.5, 1.0],
+                   transfer=0.25)
+    spans = {e.action: (e.start, e.end) for e in sim.events}
+    expected = {"0F0": (0, 1), "0F1": (1, 2), "1F0": (1.25, 3.25), "1I0": (3.25, 4.75),
+                "1F1": (4.75, 6.75), "1I1": (6.75, 8.25), "1W0": (8.25, 9.25),
+                "1W1": (9.25, 10.25), "0I0": (5, 6), "0W0": (6, 6.5), "0I1": (8.5, 9.5),
+                "0W1": (9.5, 10)}
+    for action, (start, end) in expected.items():
+        assert spans[action] == (pytest.approx(start), pytest.approx(end)), action
+    assert sim.step_time == pytest.approx(10.25)
+    assert sim.bubble_fraction == pytest.approx(1 - (5.0 + 9.0) / (2 * 10.25))
+    assert sim.peak_inflight == [2, 2]
+
+
+def test_backward_costs_given_whole_or_in_halves() -> None:
+    schedule = gp.zb_h1(2, 2)
+    halves = simulate(schedule, [1.0, 1.0], backward_input=[1.0, 1.0],
+                      backward_weight=[1.0, 1.0])
+    # Only backward: I and W cost half of it each; one half given: the other is the rest.
+    assert simulate(schedule, [1.0, 1.0], [2.0, 2.0]).step_time == halves.step_time
+    assert simulate(schedule, [1.0, 1.0], [2.0, 2.0],
+                    backward_weight=[1.0, 1.0]).step_time == halves.step_time
+    # A fused B costs I + W when only the halves are given.
+    fused = simulate(gp.one_f_one_b(2, 2), [1.0, 1.0], backward_input=[1.0, 1.0],
+                     backward_weight=[1.0, 1.0])
+    assert fused.step_time == simulate(gp.one_f_one_b(2, 2), [1.0, 1.0], [2.0, 2.0]).step_time
+    with pytest.raises(ValueError, match="give backward costs"):
+        simulate(schedule, [1.0, 1.0], backward_input=[1.0, 1.0])
+    with pytest.raises(ValueError, match="backward_weight has 1 costs for 2 stages"):
+        simulate(schedule, [1.0, 1.0], [2.0, 2.0], backward_weight=[1.0])
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_schedules_against_1f1b(k: int, m: int) -> None:
+    # F = I = W = 1: 1F1B idles 3(K-1) per stage, ZB-H1 K-1 (a third), ZB-H2 as much in a
+    # synchronous step (the last stage still starts K-1 late) but with every stage busy
+    # without a gap from its first action to its last. Memory: 1F1B K on stage 0; ZB-H1 K on
+    # every stage; ZB-H2 2K-1.
+    ones = [1.0] * k
+    classic = simulate(gp.one_f_one_b(k, m), ones, [2.0] * k)
+    h1 = simulate(gp.zb_h1(k, m), ones, backward_input=ones, backward_weight=ones)
+    h2 = simulate(gp.zb_h2(k, m), ones, backward_input=ones, backward_weight=ones)
+    assert classic.step_time == pytest.approx(3 * (m + k - 1))
+    assert h1.step_time == pytest.approx(3 * m + k - 1)
+    assert h2.step_time == pytest.approx(3 * m + k - 1)
+    assert classic.bubble_fraction == pytest.approx((k - 1) / (m + k - 1))
+    assert h1.bubble_fraction == pytest.approx((k - 1) / (3 * m + k - 1))
+    assert max(classic.peak_inflight) == max(h1.peak_inflight) == k
+    assert h2.peak_inflight == [min(2 * k - 1, m)] * k
+    for s in range(k):
+        spans = sorted((e.start, e.end) for e in h2.events if e.stage == s)
+        assert all(a[1] == pytest.approx(b[0]) for a, b in itertools.pairwise(spans)), s
+    # When W costs less than F, ZB-H1's bubble grows ((K-1)(F + I - W) per stage); ZB-H2's
+    # parallelogram still has none inside the stages and finishes first.
+    cheap_w = [0.5] * k
+    h1 = simulate(gp.zb_h1(k, m), ones, backward_input=ones, backward_weight=cheap_w)
+    h2 = simulate(gp.zb_h2(k, m), ones, backward_input=ones, backward_weight=cheap_w)
+    assert h2.step_time < h1.step_time
+
+
+def test_split_backward_holds_the_rebuilt_graph_until_w() -> None:
+    # One stage, re-materialized: the forward keeps its input (10 bytes); I recomputes the
+    # forward and keeps the graph (100 bytes) for W, which frees it.
+    #   F0: 10, I0: 100, F1: 110, W0: 10, I1: 100, W1: 0
+    schedule = gp.Schedule.from_text("0F0 0I0 0F1 0W0 0I1 0W1")
+    always = simulate(schedule, [1.0], backward_input=[1.0], backward_weight=[1.0],
+                      checkpoint="always", recompute=[0.5], activation_bytes=[100],
+                      input_bytes=[10])
+    assert always.peak_bytes == [110]
+    assert always.step_time == pytest.approx(2 * (1 + 1.5 + 1))  # I pays the recompute
+    never = simulate(schedule, [1.0], backward_input=[1.0], backward_weight=[1.0],
+                     activation_bytes=[100], input_bytes=[10])
+    assert never.peak_bytes == [200] and never.step_time == pytest.approx(6.0)
+
+
+def test_plan_with_a_zero_bubble_schedule() -> None:
+    layers = 8
+    kwargs = dict(forward=[1.0] * layers, backward=[2.0] * layers,
+                  activation_bytes=[100.0] * layers, input_bytes=[10.0] * layers,
+                  param_bytes=[50.0] * layers, batch_size=8, max_stages=4, memory_budget=1e9)
+    classic = {(p.num_stages, p.num_microbatches, p.checkpoint): p
+               for p in plan(schedule="1f1b", **kwargs)}  # type: ignore[arg-type]
+    split = plan(schedule="zb_h1", backward_weight=[1.0] * layers, **kwargs)  # type: ignore[arg-type]
+    for p in split:
+        # Same costs, a smaller bubble: never slower than 1F1B with the same configuration.
+        assert p.step_time <= classic[(p.num_stages, p.num_microbatches, p.checkpoint)].step_time
+    assert any(p.step_time < classic[(p.num_stages, p.num_microbatches, p.checkpoint)].step_time
+               for p in split)
+    with pytest.raises(ValueError, match="backward_weight has 1 values for 8 layers"):
+        plan(schedule="zb_h1", backward_weight=[1.0], **kwargs)  # type: ignore[arg-type]
+
+
+def test_split_backward_events_draw(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from gpipe_core.trace import write_chrome_trace, write_timeline_png
+
+    sim = simulate(gp.zb_h2(3, 6), [1.0] * 3, [2.0] * 3)
+    write_chrome_trace(sim.events, tmp_path / "t.json")
+    write_timeline_png(sim.events, tmp_path / "t.png", num_stages=3)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    categories = {e["cat"] for e in events if e["ph"] == "X"}
+    assert categories == {"forward", "backward_input", "backward_weight"}
+    assert (tmp_path / "t.png").stat().st_size > 1000

@@ -84,10 +84,12 @@ def reference(model: nn.Module, chunks: int, steps: int) -> tuple[list[float], d
     return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def run_pipeline(rank: int, world: int, balance: list[int], steps: int) -> list[Any]:
+def run_pipeline(rank: int, world: int, balance: list[int], steps: int,
+                 schedules: tuple[str, ...] = ("gpipe", "1f1b", "1f1b_slack1"),
+                 chunk_counts: tuple[int, ...] = (1, 3, 4)) -> list[Any]:
     results = []
     for schedule, checkpoint, chunks in itertools.product(
-        ["gpipe", "1f1b", "1f1b_slack1"], ["always", "except_last", "never"], [1, 3, 4]
+        schedules, ["always", "except_last", "never"], chunk_counts
     ):
         torch.manual_seed(0)
         model = build()
@@ -110,6 +112,22 @@ def run_pipeline(rank: int, world: int, balance: list[int], steps: int) -> list[
 def test_matches_single_process_reference(tmp_path: Path, balance: list[int]) -> None:
     steps = 2
     per_rank = spawn(run_pipeline, len(balance), tmp_path, balance, steps)
+    check_against_reference(per_rank, steps)
+
+
+@pytest.mark.parametrize("balance", [[3, 5], [2, 2, 2, 2]])
+def test_zero_bubble_schedules_match_single_process_reference(
+    tmp_path: Path, balance: list[int]
+) -> None:
+    # The backward split into I and W (W deferred): same losses and gradients, with every
+    # re-materialization mode; 8 micro-batches fill ZB-H2's 2K-1 warm-up on 4 stages.
+    steps = 2
+    per_rank = spawn(run_pipeline, len(balance), tmp_path, balance, steps,
+                     ("zb_h1", "zb_h2"), (1, 3, 8))
+    check_against_reference(per_rank, steps)
+
+
+def check_against_reference(per_rank: list[Any], steps: int) -> None:
     for case_index in range(len(per_rank[0])):
         case, _, _ = per_rank[0][case_index]
         _, _, chunks = case
@@ -154,10 +172,11 @@ def test_uneven_and_small_batches(tmp_path: Path) -> None:
                                            rtol=0, atol=TOL)
 
 
-def run_dropout(rank: int, world: int, balance: list[int]) -> Any:
+def run_dropout(rank: int, world: int, balance: list[int], schedule: str = "gpipe",
+                checkpoint: str = "always") -> Any:
     torch.manual_seed(0)
     pipe = gp.DistributedGPipe(build(p=0.3), balance, chunks=4, loss_fn=loss_fn, seed=77,
-                               checkpoint="always")
+                               checkpoint=checkpoint, schedule=schedule)
     (x, mask), y = make_batch(0, n=8)
     before = torch.get_rng_state()
     loss = pipe.step((x, mask), y)
@@ -165,8 +184,11 @@ def run_dropout(rank: int, world: int, balance: list[int]) -> Any:
     return float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()}
 
 
-def test_dropout_masks_equal_single_process_gpipe(tmp_path: Path) -> None:
-    per_rank = spawn(run_dropout, 2, tmp_path, [3, 5])
+@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "always"), ("zb_h1", "always"),
+                                                     ("zb_h2", "except_last")])
+def test_dropout_masks_equal_single_process_gpipe(tmp_path: Path, schedule: str,
+                                                  checkpoint: str) -> None:
+    per_rank = spawn(run_dropout, 2, tmp_path, [3, 5], schedule, checkpoint)
     torch.manual_seed(0)
     pipe = gp.GPipe(build(p=0.3), [2, 6], chunks=4, seed=77, checkpoint="never")
     (x, mask), y = make_batch(0, n=8)

@@ -1,0 +1,215 @@
+r"""A backward in two passes: the inputs' gradient now (I), the parameters' gradient later (W).
+
+Zero-bubble schedules send the gradient of a stage's input as early as possible and compute the
+parameters' gradient later, where it fills what would be a bubble. Autograd computes the first
+alone when asked for the inputs only; the second must then start where the first pass left the
+graph, or it would repeat the whole backward. While :func:`backward_input` runs, it captures
+the gradient arriving at every *boundary*: a node on the path to the inputs (run by I) with an
+edge towards parameters that leaves that path::
+
+    roots (outputs or loss)
+      |                                 *  on the path to the inputs: run by I
+      * addmm ---> t ---> weight 2      boundary: a * node with an edge off the path (addmm);
+      |      \---> bias 2                   I keeps the gradient that arrived at it
+      * tanh                            W: from each boundary, with that gradient, along the
+      |                                    edges off the path, to the parameters
+      * addmm ---> t ---> weight 1
+      |      \---> bias 1
+      inputs
+
+:meth:`PendingWeights.run` (W) runs autograd from the boundaries to the parameters, one group at
+a time (parameters reached from the same boundaries form a group, so that an autograd call does
+not walk the input path from one boundary to another), accumulating into ``.grad`` as a fused
+backward does. Only the boundary nodes run twice, and the second time only for their parameter
+outputs. Roots that do not lead to any input are boundaries too, with the roots' gradients. A
+stage whose inputs need no gradient (the first) thus does nothing in I and its whole backward
+in W.
+
+Between I and W the stage keeps its autograd graph and the captured gradients (about one
+activation per boundary).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["PendingWeights", "backward_input"]
+
+Grads = list[Tensor | None]
+
+
+class _Group:
+    """Parameters reached from the same boundaries, and where W starts for them."""
+
+    def __init__(self) -> None:
+        self.params: list[Tensor] = []
+        self.boundaries: list[Node] = []  # on the input path: gradients captured by I
+        self.roots: list[tuple[GradientEdge, Tensor]] = []  # off the path: the roots' own
+
+
+class PendingWeights:
+    """What W needs after I: boundaries with their gradients, grouped by parameters."""
+
+    def __init__(self, groups: list[_Group], captured: dict[Node, tuple[Tensor | None, ...]]):
+        self._groups = groups
+        self._captured = captured
+
+    def run(self) -> None:
+        """Accumulate every parameter's gradient into ``.grad``; then forget the graph."""
+        groups, captured = self._groups, self._captured
+        self._groups, self._captured = [], {}
+        for group in groups:
+            edges: list[GradientEdge] = [edge for edge, _ in group.roots]
+            grads: list[Tensor] = [grad for _, grad in group.roots]
+            for node in group.boundaries:
+                for index, grad in enumerate(captured[node]):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, index))
+                        grads.append(grad)
+            if not edges:
+                continue
+            # A boundary reached from another boundary of the group would add that path's
+            # share to the total it already captured: hand it exactly the captured total.
+            handles = [
+                node.register_prehook(lambda _, saved=captured[node]: saved)
+                for node in group.boundaries
+            ] if len(group.boundaries) > 1 else []
+            try:
+                torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+
+def backward_input(
+    roots: Sequence[Tensor],
+    root_grads: Sequence[Tensor | None],
+    inputs: Sequence[Any],
+    params: Sequence[Tensor],
+) -> tuple[Grads, PendingWeights]:
+    """Gradients of ``inputs`` (None where an input is not a tensor that requires grad), and
+    the parameters' part for later.
+
+    ``roots``: the stage's outputs (or loss) that require grad; ``root_grads``: their
+    gradients (None: ones, as for a loss). The graph is kept for :meth:`PendingWeights.run`.
+    """
+    grads = [torch.ones_like(t) if g is None else g for t, g in zip(roots, root_grads, strict=True)]
+    root_edges = [get_gradient_edge(t) for t in roots]
+    parents = _parents([edge.node for edge in root_edges])
+    wanted = [(i, x) for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
+    input_nodes = [get_gradient_edge(x).node for _, x in wanted]
+    on_path = _reaching(input_nodes, parents)
+    groups, boundaries = _group_params(params, parents, on_path, root_edges, grads)
+    captured: dict[Node, tuple[Tensor | None, ...]] = {}
+    handles = [node.register_prehook(_capture(captured, node)) for node in boundaries]
+    result: Grads = [None] * len(inputs)
+    try:
+        if wanted and on_path:
+            computed = torch.autograd.grad(
+                list(roots), [x for _, x in wanted], grads, retain_graph=True, allow_unused=True
+            )
+            for (position, _), grad in zip(wanted, computed, strict=True):
+                result[position] = grad
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [node for node in boundaries if node not in captured]
+    if missing:  # cannot happen: I runs every node on the path to the inputs
+        raise RuntimeError(f"backward_input did not reach {missing}; please report this")
+    return result, PendingWeights(groups, captured)
+
+
+def _capture(captured: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Any:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        captured[node] = grad_outputs
+
+    return hook
+
+
+def _parents(roots: Sequence[Node | None]) -> dict[Node, list[Node]]:
+    """Every node reachable from ``roots``, mapped to the nodes with an edge into it."""
+    parents: dict[Node, list[Node]] = {}
+    queue: deque[Node] = deque()
+    for node in roots:
+        if node is not None and node not in parents:
+            parents[node] = []
+            queue.append(node)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                queue.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _reaching(targets: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """The nodes of the graph from which one of ``targets`` is reachable (targets included)."""
+    found = {node for node in targets if node in parents}
+    queue = deque(found)
+    while queue:
+        for parent in parents[queue.popleft()]:
+            if parent not in found:
+                found.add(parent)
+                queue.append(parent)
+    return found
+
+
+def _group_params(
+    params: Sequence[Tensor],
+    parents: dict[Node, list[Node]],
+    on_path: set[Node],
+    root_edges: Sequence[GradientEdge],
+    root_grads: Sequence[Tensor],
+) -> tuple[list[_Group], list[Node]]:
+    """Group the parameters by the boundaries W starts from; return the groups and the
+    boundaries on the input path (whose gradients I must capture)."""
+    roots_by_node: dict[Node, list[tuple[GradientEdge, Tensor]]] = {}
+    for edge, grad in zip(root_edges, root_grads, strict=True):
+        roots_by_node.setdefault(edge.node, []).append((edge, grad))
+    group_of: dict[Node, _Group] = {}  # boundary or root node -> its group
+    groups: list[_Group] = []
+    for param in params:
+        node = get_gradient_edge(param).node
+        if node not in parents:
+            continue  # no gradient reaches it (as in a fused backward, .grad is untouched)
+        starts: list[Node] = []  # the boundaries and off-path roots above this parameter
+        seen = {node}
+        queue = deque([node])
+        while queue:
+            current = queue.popleft()
+            if current in on_path:
+                starts.append(current)
+                continue
+            if current in roots_by_node:
+                starts.append(current)
+            for parent in parents[current]:
+                if parent not in seen:
+                    seen.add(parent)
+                    queue.append(parent)
+        merged = _Group()
+        merged.params.append(param)
+        for start in starts:  # merge with the groups already starting there
+            other = group_of.get(start)
+            if other is not None and other is not merged:
+                merged.params.extend(other.params)
+                for key in [k for k, g in group_of.items() if g is other]:
+                    group_of[key] = merged
+                groups.remove(other)
+            group_of[start] = merged
+        groups.append(merged)
+    for start, group in group_of.items():
+        if start in on_path:
+            group.boundaries.append(start)
+        else:
+            group.roots.extend(roots_by_node[start])
+    return groups, [node for node in group_of if node in on_path]
