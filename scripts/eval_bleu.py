@@ -15,7 +15,6 @@ paper's figure, with the copy baseline beside it).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,30 +26,18 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpipe_core as gp  # noqa: E402
-from apps.common import require_app  # noqa: E402
 from apps.config import ConfigError  # noqa: E402
-from apps.nmt.config import load_nmt_config  # noqa: E402
-from apps.nmt.data import CorpusError, load_manifest, load_tokenizer  # noqa: E402
+from apps.nmt.data import CorpusError  # noqa: E402
 from apps.nmt.evaluate import (  # noqa: E402
     CheckpointError,
+    TokenizerMismatch,
     evaluate,
     format_report,
-    load_model,
-    resolve_checkpoint,
+    load_checkpoint,
     write_report,
 )
 
-
-class TokenizerMismatch(ValueError):
-    """The corpus's tokenizer is not the one the checkpoint was trained with."""
-
-
-def _prepare_command(config: Any) -> str:
-    languages = f" --languages {','.join(config.languages)}" if config.languages else ""
-    return (
-        f"python -m data.gettext_m2en.prepare --out {config.data_dir} --packages "
-        f"{config.packages} --vocab-size {config.vocab_size}{languages}"
-    )
+__all__ = ["TokenizerMismatch", "evaluate_checkpoint", "main", "plot_report"]
 
 
 def evaluate_checkpoint(
@@ -70,35 +57,9 @@ def evaluate_checkpoint(
     Returns the report (see ``apps.nmt.evaluate.score``); with ``out`` also writes
     ``<out>.json`` and ``<out>.png``.
     """
-    path = resolve_checkpoint(ckpt)
-    require_app(path, "nmt")
-    config_path = path / "config.yaml"
-    if not config_path.is_file():
-        raise CheckpointError(f"{path} has no config.yaml; was it written by apps.nmt.train?")
-    overrides = [f"--config={config_path}"]
-    if data_dir is not None:
-        overrides.append(f"--data_dir={data_dir}")
-    try:
-        config = load_nmt_config(overrides)
-    except ConfigError as error:
-        raise ConfigError(f"{config_path}: {error}") from error
-    try:
-        load_manifest(config.data_dir)
-    except CorpusError as error:
-        raise CorpusError(
-            f"no prepared corpus at {config.data_dir} for checkpoint {path}; build it with "
-            f"`{_prepare_command(config)}` (or pass --data-dir)"
-        ) from error
-    tokenizer = load_tokenizer(config.data_dir)
-    trained_with = json.loads((path / "tokenizer.json").read_text())
-    if trained_with["fingerprint"] != tokenizer.fingerprint:
-        raise TokenizerMismatch(
-            f"checkpoint {path} was trained with tokenizer {trained_with['fingerprint']} "
-            f"({trained_with.get('data_dir')}), but {config.data_dir} holds tokenizer "
-            f"{tokenizer.fingerprint}; evaluate with the corpus it was trained on "
-            f"(--data-dir), or rebuild that corpus with `{_prepare_command(config)}`"
-        )
-    model = load_model(config, path, torch.device(device))
+    loaded = load_checkpoint(ckpt, data_dir=data_dir, device=torch.device(device))
+    path, config, tokenizer, model = loaded.path, loaded.config, loaded.tokenizer, loaded.model
+    assert model is not None
     report = evaluate(
         model,
         config,
