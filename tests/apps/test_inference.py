@@ -4,6 +4,7 @@ errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tests.apps import test_nmt_train as nmt_tests
 from tests.apps.test_amoebanet_train import CLASSES, shards  # noqa: F401
 from tests.apps.test_nmt_data import build_locale_tree
 from tests.apps.test_nmt_train import corpus  # noqa: F401
+from tests.distributed import launch
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -206,3 +208,29 @@ def test_classify_names_the_other_apps_checkpoint(nmt_run: Path, tmp_path: Path)
     result = command("apps.amoebanet.classify", "--ckpt", str(nmt_run), str(image))
     assert result.returncode == 2
     assert "is an NMT checkpoint, not an AmoebaNet one" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/eval_top1.py through the pipeline under torchrun
+
+
+@pytest.mark.parametrize("stages", [2, 1])  # 1 pipeline of 2 stages; 2 replicas of 1 stage
+def test_pipelined_top1_equals_the_single_process_numbers(amoebanet_run: Path, tmp_path: Path,
+                                                          stages: int) -> None:
+    from scripts import eval_top1
+
+    single = eval_top1.evaluate_checkpoint(amoebanet_run, out=tmp_path / "single",
+                                           overrides=["--eval_batch_size=5"])
+    output = launch.torchrun("scripts.eval_top1", [
+        "--ckpt", str(amoebanet_run), "--out", str(tmp_path / "piped"), "--stages", str(stages),
+        "--eval_batch_size=5"])
+    assert output.count("test top-1") == 1  # rank 0 reports
+    piped = json.loads((tmp_path / "piped.json").read_text())
+    assert piped["stages"] == stages and piped["replicas"] == 2 // stages
+    if stages == 2:
+        saved = json.loads((resolve_checkpoint(amoebanet_run, train_command="") /
+                            "run.json").read_text())
+        assert piped["balance"] == saved["balance"]  # each rank read only its own shard
+    for key in ("images", "top1", "top5", "confusion", "per_class_top1"):
+        assert piped[key] == single[key], key
+    assert piped["loss"] == pytest.approx(single["loss"], rel=1e-9)
