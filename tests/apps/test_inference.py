@@ -234,3 +234,52 @@ def test_pipelined_top1_equals_the_single_process_numbers(amoebanet_run: Path, t
     for key in ("images", "top1", "top5", "confusion", "per_class_top1"):
         assert piped[key] == single[key], key
     assert piped["loss"] == pytest.approx(single["loss"], rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# NMT decoding through DistributedGPipe
+
+
+def pipelined_hypotheses(rank: int, world_size: int, checkpoint: str, src_ids: torch.Tensor,
+                         balance: list[int]) -> dict[int, list[list[int]]]:
+    """Greedy and beam-2 hypotheses of ``src_ids`` through a pipeline of ``balance``."""
+    from apps.nmt.config import build_model
+    from apps.nmt.pipelined_search import pipelined_beam_search
+    from gpipe_core import DistributedGPipe
+
+    config = load_checkpoint(checkpoint, model=False).config
+    pipe = DistributedGPipe(build_model(config, device="meta"), balance, chunks=1,
+                            loss_fn=lambda out, target: out.sum())
+    pipe.load_checkpoint(checkpoint)
+    return {beam: pipelined_beam_search(pipe, src_ids, vocab_size=config.vocab_size,
+                                        pad_id=config.pad_id, bos_id=config.bos_id,
+                                        eos_id=config.eos_id, beam_size=beam, alpha=0.6,
+                                        max_len=12)
+            for beam in (1, 2)}
+
+
+def test_pipelined_decoding_gives_the_single_process_hypotheses(
+    nmt_run: Path, corpus: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    from apps.nmt.evaluate import _pad
+    from apps.nmt.search import beam_search
+
+    loaded = load_checkpoint(nmt_run)
+    assert loaded.model is not None
+    config = loaded.config
+    sentences, _ = load_eval_sentences(corpus, "test", ["de", "ru"], max_per_lang=3,
+                                       pad_id=config.pad_id)
+    src_ids = _pad([s.src_ids for s in sentences], config.pad_id, torch.device("cpu"))
+    expected = {beam: beam_search(loaded.model, src_ids, bos_id=config.bos_id,
+                                  eos_id=config.eos_id, beam_size=beam, alpha=0.6, max_len=12)
+                for beam in (1, 2)}
+    assert any(len(ids) > 1 for ids in expected[1])
+    checkpoint = resolve_checkpoint(nmt_run, train_command="")
+    layers = 2 * config.num_layers + 2
+    # embed alone on stage 0; encoders | decoders; the first decoder on stage 0; project alone
+    for balance in ([1, layers - 1], [layers // 2, layers // 2], [layers - 2, 2],
+                    [layers - 1, 1]):
+        ranks = launch.spawn(pipelined_hypotheses, 2, tmp_path / "x".join(map(str, balance)),
+                             str(checkpoint), src_ids, balance)
+        for per_rank in ranks:
+            assert per_rank == expected, balance
