@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,7 @@ def _pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> Te
 
 
 def translate(
-    model: nn.Sequential,
+    model: nn.Sequential | None,
     sentences: Sequence[Sentence],
     tokenizer: Tokenizer,
     *,
@@ -244,10 +244,12 @@ def translate(
     device: torch.device,
     max_src_tokens: int = 2048,
     max_sentences: int = 64,
+    search: Callable[[Tensor, int], list[list[int]]] | None = None,
 ) -> list[str]:
     """Detokenized beam-search translations of ``sentences`` (in their order), in batches of
     similar length. Output length is bounded by ``max_decode_len`` and by twice the source
-    length plus 8.
+    length plus 8. ``search(src_ids, max_len)``, when given, decodes a padded batch instead of
+    ``beam_search`` on ``model`` (e.g. through a pipeline: ``apps.nmt.pipelined_search``).
     """
     groups = _batches_by_length(
         sentences, max_src_tokens=max_src_tokens, max_sentences=max_sentences
@@ -256,15 +258,19 @@ def translate(
     for group in groups:
         src = _pad([sentences[i].src_ids for i in group], tokenizer.pad_id, device)
         max_len = min(max_decode_len, 2 * src.shape[1] + 8)
-        ids = beam_search(
-            model,
-            src,
-            bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id,
-            beam_size=beam_size,
-            alpha=alpha,
-            max_len=max_len,
-        )
+        if search is not None:
+            ids = search(src, max_len)
+        else:
+            assert model is not None, "translate needs a model or a search"
+            ids = beam_search(
+                model,
+                src,
+                bos_id=tokenizer.bos_id,
+                eos_id=tokenizer.eos_id,
+                beam_size=beam_size,
+                alpha=alpha,
+                max_len=max_len,
+            )
         for index, hypothesis in zip(group, ids, strict=True):
             translations[index] = tokenizer.decode(hypothesis)
     return [translations[i] for i in range(len(sentences))]

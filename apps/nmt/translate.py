@@ -19,6 +19,20 @@ Every input line gives exactly one output line, in order, so the output pairs wi
 - the output of a sentence is at most ``--max-len`` tokens (default: the config's
   ``max_decode_len``) and at most twice the source's tokens plus 8.
 
+Under torchrun the same command decodes through the pipeline instead, and no rank holds the
+whole model::
+
+    torchrun --nproc-per-node 2 -m apps.nmt.translate --ckpt runs/nmt --lang de --input f.de
+
+One pipeline over the world: each rank builds its stage on the ``meta`` device and loads only
+its weights (only its own shard when the world has the checkpoint's number of stages: the
+training balance is read from the checkpoint; otherwise the layers are split by parameters).
+Rank 0 reads the input and shares each group of lines; the source is encoded through the
+stages and each decoding step runs through them with a key/value cache per decoder layer on its
+stage (``apps.nmt.pipelined_search``); rank 0 prints exactly what the one-process command
+prints. Give ``--input`` (or pipe a file): every rank waits for rank 0's next lines at most the
+config's ``timeout_s``.
+
 Lines are read and translated in groups of ``--batch-lines`` (each group's translations are
 printed before the next group is read), so the command also works as a filter on a stream.
 Errors (no or damaged checkpoint, another app's checkpoint, a corpus or tokenizer that does not
@@ -28,19 +42,22 @@ match, an unknown language, an unreadable input file) print one line and exit wi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import gpipe_core as gp
 from apps.config import ConfigError
 from apps.nmt.data import CorpusError, Tokenizer
 from apps.nmt.evaluate import (
     CheckpointError,
+    LoadedCheckpoint,
     Sentence,
     TokenizerMismatch,
     load_checkpoint,
@@ -76,7 +93,7 @@ def encode_lines(lines: Sequence[str], tokenizer: Tokenizer, lang: str, *, max_p
 
 
 def translate_lines(
-    model: nn.Sequential,
+    model: nn.Sequential | None,
     tokenizer: Tokenizer,
     lines: Sequence[str],
     *,
@@ -87,14 +104,19 @@ def translate_lines(
     max_positions: int,
     device: torch.device,
     first_line: int = 1,
+    search: Callable[[Tensor, int], list[list[int]]] | None = None,
+    warn: TextIO | None = sys.stderr,
 ) -> list[str]:
-    """English for each of ``lines`` (an empty string for an empty line), in order."""
+    """English for each of ``lines`` (an empty string for an empty line), in order.
+
+    ``search(src_ids, max_len)`` decodes instead of ``model`` (through a pipeline)."""
     encoded = encode_lines(lines, tokenizer, lang, max_positions=max_positions,
-                           first_line=first_line)
+                           first_line=first_line, warn=warn)
     sentences = [Sentence(lang, ids, line, "") for line, ids in zip(lines, encoded, strict=True)
                  if ids is not None]
     hypotheses = iter(translate(model, sentences, tokenizer, beam_size=beam_size, alpha=alpha,
-                                max_decode_len=max_len, device=device) if sentences else [])
+                                max_decode_len=max_len, device=device, search=search)
+                      if sentences else [])
     return ["" if ids is None else next(hypotheses) for ids in encoded]
 
 
@@ -131,8 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(encoding="utf-8")
 
+    rank = int(os.environ.get("RANK", "0"))
+    pipelined = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun
+
     def fail(message: str) -> int:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        if rank == 0:  # every rank reaches the same errors; one says it
+            print(f"error: {message}", file=sys.stderr, flush=True)
         return 2
 
     for name in ("beam_size", "max_len", "batch_lines"):
@@ -150,11 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "give a text file of one sentence per line, or pipe the text to stdin")
     device = torch.device(args.device)
     try:
-        loaded = load_checkpoint(args.ckpt, data_dir=args.data_dir, device=device)
+        loaded = load_checkpoint(args.ckpt, data_dir=args.data_dir, device=device,
+                                 model=not pipelined)
     except CLEAR_ERRORS as error:
         return fail(str(error))
     config, tokenizer, model = loaded.config, loaded.tokenizer, loaded.model
-    assert model is not None
     if args.lang not in tokenizer.languages:
         return fail(f"--lang={args.lang} is not a language of this model's tokenizer; use one "
                     f"of: {' '.join(tokenizer.languages)}")
@@ -162,27 +188,99 @@ def main(argv: Sequence[str] | None = None) -> int:
     if max_len + 1 > config.max_positions:
         return fail(f"--max-len={max_len} + 1 (BOS) exceeds the model's max_positions="
                     f"{config.max_positions}; use --max-len {config.max_positions - 1} or less")
+    beam_size = args.beam_size or config.beam_size
+    alpha = config.length_penalty if args.length_penalty is None else args.length_penalty
+    groups = _groups(source, args.batch_lines)
+    search: Callable[[Tensor, int], list[list[int]]] | None = None
+    next_group: Callable[[], list[str] | str | None] = lambda: next(groups, None)  # noqa: E731
+    if pipelined:
+        search, next_group, device = _pipeline(loaded, groups, beam_size=beam_size, alpha=alpha,
+                                               device=args.device)
     first_line = 1
     try:
-        for group in _groups(source, args.batch_lines):
+        while True:
+            try:
+                group = next_group()
+            except UnicodeDecodeError as error:  # rank 0 says it to the other ranks too
+                group = (f"line {first_line} or after of {args.input or 'stdin'} is not UTF-8 "
+                         f"({error.reason} at byte {error.start}); convert the text to UTF-8")
+                if pipelined:
+                    _share(group)
+            if isinstance(group, str):
+                return fail(group)
+            if group is None:
+                break
             english = translate_lines(
-                model, tokenizer, group, lang=args.lang,
-                beam_size=args.beam_size or config.beam_size,
-                alpha=config.length_penalty if args.length_penalty is None
-                else args.length_penalty,
+                model, tokenizer, group, lang=args.lang, beam_size=beam_size, alpha=alpha,
                 max_len=max_len, max_positions=config.max_positions, device=device,
-                first_line=first_line,
+                first_line=first_line, search=search, warn=sys.stderr if rank == 0 else None,
             )
-            sys.stdout.write("".join(line + "\n" for line in english))
-            sys.stdout.flush()
+            if rank == 0:
+                sys.stdout.write("".join(line + "\n" for line in english))
+                sys.stdout.flush()
             first_line += len(group)
-    except UnicodeDecodeError as error:
-        return fail(f"line {first_line} or after of {args.input or 'stdin'} is not UTF-8 "
-                    f"({error.reason} at byte {error.start}); convert the text to UTF-8")
     finally:
         if source is not sys.stdin:
             source.close()
     return 0
+
+
+def _share(value: object) -> object:
+    """``value`` of global rank 0 on every rank (the others pass anything)."""
+    import torch.distributed as dist
+
+    box = [value]
+    with gp.collectives("translate: the next lines from rank 0"):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _saved_balance(checkpoint: Path, num_stages: int) -> list[int] | None:
+    """The balance the checkpoint was trained with, if it had ``num_stages`` stages (its shards
+    are then one per stage: each rank reads only its own)."""
+    try:
+        state = torch.load(checkpoint / "train-state-rank000.pt", map_location="cpu",
+                           weights_only=False, mmap=True)  # the balance, not the optimizer
+        balance = [int(n) for n in state.get("balance") or []]
+    except Exception:  # noqa: BLE001 - no usable train state: split by parameters
+        return None
+    return balance if len(balance) == num_stages else None
+
+
+def _pipeline(loaded: LoadedCheckpoint, groups: Iterator[list[str]], *, beam_size: int,
+              alpha: float, device: str) -> tuple[Any, Any, torch.device]:
+    """Under torchrun: this rank's stage of the checkpoint's model (one pipeline over the
+    world) and the search through it; the input's groups of lines are read on rank 0 and
+    shared with every rank."""
+    from apps.common import setup_run
+    from apps.nmt.config import build_model
+    from apps.nmt.pipelined_search import pipelined_beam_search
+
+    config = loaded.config
+    num_stages = int(os.environ["WORLD_SIZE"])
+    run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
+    model = build_model(config, device="meta")
+    balance = _saved_balance(loaded.path, num_stages) or gp.balance_by_params(model, num_stages)
+    pipe = gp.DistributedGPipe(model, balance, chunks=1, loss_fn=_no_loss, device=run.device,
+                               group=run.pipeline_group, seed=config.seed,
+                               timeout_s=config.timeout_s)
+    del model
+    pipe.load_checkpoint(loaded.path)  # this stage's weights only
+
+    def search(src_ids: Tensor, max_len: int) -> list[list[int]]:
+        return pipelined_beam_search(pipe, src_ids, vocab_size=config.vocab_size,
+                                     pad_id=config.pad_id, bos_id=config.bos_id,
+                                     eos_id=config.eos_id, beam_size=beam_size, alpha=alpha,
+                                     max_len=max_len)
+
+    def next_group() -> list[str] | str | None:
+        return _share(next(groups, None) if run.master else None)  # type: ignore[return-value]
+
+    return search, next_group, run.device
+
+
+def _no_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    raise TypeError("translation runs no training step")
 
 
 if __name__ == "__main__":

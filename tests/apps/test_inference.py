@@ -283,3 +283,27 @@ def test_pipelined_decoding_gives_the_single_process_hypotheses(
                              str(checkpoint), src_ids, balance)
         for per_rank in ranks:
             assert per_rank == expected, balance
+
+
+def test_translate_under_torchrun_gives_the_single_process_output(
+    nmt_run: Path, corpus: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    sentences, _ = load_eval_sentences(corpus, "test", ["fr"], max_per_lang=4, pad_id=0)
+    lines = [s.source for s in sentences]
+    source_file = tmp_path / "sources.fr"
+    source_file.write_text("\n".join([lines[0], "", *lines[1:]]) + "\n")
+    for beam in ("1", "2"):
+        args = ["--ckpt", str(nmt_run), "--lang", "fr", "--input", str(source_file),
+                "--beam-size", beam, "--batch-lines", "2"]
+        single = command("apps.nmt.translate", *args)
+        assert single.returncode == 0, single.stderr
+        piped = command("torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+                        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+                        "-m", "apps.nmt.translate", *args)
+        assert piped.returncode == 0, piped.stderr
+        assert piped.stdout == single.stdout and len(piped.stdout.splitlines()) == 5
+    wrong = command("torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+                    "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "-m",
+                    "apps.nmt.translate", "--ckpt", str(nmt_run), "--lang", "xx",
+                    "--input", str(source_file))
+    assert wrong.returncode != 0 and wrong.stderr.count("error: --lang=xx") == 1
