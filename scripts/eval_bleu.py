@@ -10,11 +10,17 @@ search on the plain ``nn.Sequential``, detokenizes, and scores every language wi
 over high/medium/low-resource buckets (terciles of the trained languages' training-set sizes).
 Writes ``<out>.json`` and ``<out>.png`` (BLEU per language sorted by resource size, as in the
 paper's figure, with the copy baseline beside it).
+
+Under torchrun (``torchrun --nproc-per-node 2 scripts/eval_bleu.py --ckpt runs/nmt``) it
+decodes through the pipeline instead, each rank holding only its stage
+(``apps.nmt.pipelined_search``); the hypotheses, and so the scores, are the one-process ones.
+Rank 0 prints and writes the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,9 +63,18 @@ def evaluate_checkpoint(
     Returns the report (see ``apps.nmt.evaluate.score``); with ``out`` also writes
     ``<out>.json`` and ``<out>.png``.
     """
-    loaded = load_checkpoint(ckpt, data_dir=data_dir, device=torch.device(device))
+    pipelined = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun
+    loaded = load_checkpoint(ckpt, data_dir=data_dir, device=torch.device(device),
+                             model=not pipelined)
     path, config, tokenizer, model = loaded.path, loaded.config, loaded.tokenizer, loaded.model
-    assert model is not None
+    search, master = None, True
+    if pipelined:
+        from apps.nmt.pipelined_search import load_pipeline, pipeline_search
+
+        pipe, run = load_pipeline(loaded, device=device)
+        search = pipeline_search(pipe, config, beam_size=beam_size or config.beam_size,
+                                 alpha=config.length_penalty if alpha is None else alpha)
+        device, master = str(run.device), run.master
     report = evaluate(
         model,
         config,
@@ -70,9 +85,10 @@ def evaluate_checkpoint(
         beam_size=beam_size,
         alpha=alpha,
         device=torch.device(device),
+        search=search,
     )
     report["checkpoint"] = str(path)
-    if out is not None:
+    if out is not None and master:
         out = Path(out)
         write_report(report, out.with_suffix(".json"))
         plot_report(report, out.with_suffix(".png"))
@@ -149,8 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (CheckpointError, gp.CheckpointCorruptError, CorpusError, ConfigError,
             TokenizerMismatch) as error:
-        print(f"error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     print(format_report(report))
     print(f"wrote {Path(out).with_suffix('.json')} and {Path(out).with_suffix('.png')}")
     return 0

@@ -363,7 +363,7 @@ def score(
 
 
 def evaluate(
-    model: nn.Sequential,
+    model: nn.Sequential | None,
     config: NMTConfig,
     tokenizer: Tokenizer,
     *,
@@ -373,8 +373,10 @@ def evaluate(
     beam_size: int | None = None,
     alpha: float | None = None,
     device: torch.device | None = None,
+    search: Callable[[Tensor, int], list[list[int]]] | None = None,
 ) -> Report:
-    """Translate ``split`` and score it (in one process: the training run calls it on rank 0).
+    """Translate ``split`` and score it (in one process: the training run calls it on rank 0;
+    with ``search`` instead of ``model``, through a pipeline: see ``translate``).
 
     ``languages`` None evaluates the trained languages that have ``split`` data (others are
     listed under ``skipped``); given explicitly, a language without data is an error.
@@ -394,7 +396,8 @@ def evaluate(
         pad_id=tokenizer.pad_id,
         strict=bool(languages),
     )
-    device = device or next(model.parameters()).device
+    if device is None:
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
     hypotheses = translate(
         model,
         sentences,
@@ -403,6 +406,7 @@ def evaluate(
         alpha=config.length_penalty if alpha is None else alpha,
         max_decode_len=config.max_decode_len,
         device=device,
+        search=search,
     )
     report = score(sentences, hypotheses, buckets, train_counts)
     report.update(

@@ -20,6 +20,11 @@ steps, on every rank of the pipeline group, with the pipe in eval mode (it sets 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -28,7 +33,12 @@ import gpipe_core as gp
 from apps.nmt.model import DecoderLayer, Embed, EncoderLayer, LayerCache, Project
 from apps.nmt.search import StepFn, beam_decode, greedy_decode
 
-__all__ = ["pipelined_beam_search", "pipelined_step_fn"]
+if TYPE_CHECKING:
+    from apps.common import Run
+    from apps.nmt.config import NMTConfig
+    from apps.nmt.evaluate import LoadedCheckpoint
+
+__all__ = ["load_pipeline", "pipeline_search", "pipelined_beam_search", "pipelined_step_fn"]
 
 
 def pipelined_step_fn(pipe: gp.DistributedGPipe, src_ids: Tensor, *, vocab_size: int,
@@ -146,3 +156,59 @@ def pipelined_beam_search(
         return beam_decode(step, beam_size=beam_size, alpha=alpha, **common)  # type: ignore[arg-type]
     finally:
         pipe.train(was_training)
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint as a pipeline under torchrun
+
+
+def saved_balance(checkpoint: Path, num_stages: int) -> list[int] | None:
+    """The balance the checkpoint was trained with, if it had ``num_stages`` stages (its shards
+    are then one per stage, and each rank reads only its own)."""
+    try:
+        state = torch.load(checkpoint / "train-state-rank000.pt", map_location="cpu",
+                           weights_only=False, mmap=True)  # the balance, not the optimizer
+        balance = [int(n) for n in state.get("balance") or []]
+    except Exception:  # noqa: BLE001 - no usable train state: split by parameters
+        return None
+    return balance if len(balance) == num_stages else None
+
+
+def _no_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    raise TypeError("decoding runs no training step")
+
+
+def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
+                  num_stages: int | None = None) -> tuple[gp.DistributedGPipe, Run]:
+    """Under torchrun: process groups and this rank's stage of the checkpoint's model, one
+    pipeline of ``num_stages`` (default: the world size). Built on the ``meta`` device; only
+    this stage's weights are loaded: its own shard when the checkpoint's balance has
+    ``num_stages`` stages, else the layers are split by parameters and read from every shard.
+    """
+    from apps.common import setup_run
+    from apps.nmt.config import build_model
+
+    config = loaded.config
+    num_stages = num_stages or int(os.environ["WORLD_SIZE"])
+    run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
+    model = build_model(config, device="meta")
+    balance = saved_balance(loaded.path, num_stages) or gp.balance_by_params(model, num_stages)
+    pipe = gp.DistributedGPipe(model, balance, chunks=1, loss_fn=_no_loss, device=run.device,
+                               group=run.pipeline_group, seed=config.seed,
+                               timeout_s=config.timeout_s)
+    pipe.load_checkpoint(loaded.path)
+    return pipe, run
+
+
+def pipeline_search(pipe: gp.DistributedGPipe, config: NMTConfig, *, beam_size: int,
+                    alpha: float) -> Callable[[Tensor, int], list[list[int]]]:
+    """``search(src_ids, max_len)`` for ``apps.nmt.evaluate.translate``: beam search (greedy
+    for ``beam_size=1``) through ``pipe``; every rank of the pipeline must call it alike."""
+
+    def search(src_ids: Tensor, max_len: int) -> list[list[int]]:
+        return pipelined_beam_search(pipe, src_ids, vocab_size=config.vocab_size,
+                                     pad_id=config.pad_id, bos_id=config.bos_id,
+                                     eos_id=config.eos_id, beam_size=beam_size, alpha=alpha,
+                                     max_len=max_len)
+
+    return search

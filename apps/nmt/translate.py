@@ -46,7 +46,6 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
-from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -235,52 +234,19 @@ def _share(value: object) -> object:
     return box[0]
 
 
-def _saved_balance(checkpoint: Path, num_stages: int) -> list[int] | None:
-    """The balance the checkpoint was trained with, if it had ``num_stages`` stages (its shards
-    are then one per stage: each rank reads only its own)."""
-    try:
-        state = torch.load(checkpoint / "train-state-rank000.pt", map_location="cpu",
-                           weights_only=False, mmap=True)  # the balance, not the optimizer
-        balance = [int(n) for n in state.get("balance") or []]
-    except Exception:  # noqa: BLE001 - no usable train state: split by parameters
-        return None
-    return balance if len(balance) == num_stages else None
-
-
 def _pipeline(loaded: LoadedCheckpoint, groups: Iterator[list[str]], *, beam_size: int,
               alpha: float, device: str) -> tuple[Any, Any, torch.device]:
-    """Under torchrun: this rank's stage of the checkpoint's model (one pipeline over the
-    world) and the search through it; the input's groups of lines are read on rank 0 and
-    shared with every rank."""
-    from apps.common import setup_run
-    from apps.nmt.config import build_model
-    from apps.nmt.pipelined_search import pipelined_beam_search
+    """Under torchrun: the search through this rank's stage (``load_pipeline``), and the input's
+    groups of lines, read on rank 0 and shared with every rank."""
+    from apps.nmt.pipelined_search import load_pipeline, pipeline_search
 
-    config = loaded.config
-    num_stages = int(os.environ["WORLD_SIZE"])
-    run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
-    model = build_model(config, device="meta")
-    balance = _saved_balance(loaded.path, num_stages) or gp.balance_by_params(model, num_stages)
-    pipe = gp.DistributedGPipe(model, balance, chunks=1, loss_fn=_no_loss, device=run.device,
-                               group=run.pipeline_group, seed=config.seed,
-                               timeout_s=config.timeout_s)
-    del model
-    pipe.load_checkpoint(loaded.path)  # this stage's weights only
-
-    def search(src_ids: Tensor, max_len: int) -> list[list[int]]:
-        return pipelined_beam_search(pipe, src_ids, vocab_size=config.vocab_size,
-                                     pad_id=config.pad_id, bos_id=config.bos_id,
-                                     eos_id=config.eos_id, beam_size=beam_size, alpha=alpha,
-                                     max_len=max_len)
+    pipe, run = load_pipeline(loaded, device=device)
+    search = pipeline_search(pipe, loaded.config, beam_size=beam_size, alpha=alpha)
 
     def next_group() -> list[str] | str | None:
         return _share(next(groups, None) if run.master else None)  # type: ignore[return-value]
 
     return search, next_group, run.device
-
-
-def _no_loss(outputs: Tensor, targets: Tensor) -> Tensor:
-    raise TypeError("translation runs no training step")
 
 
 if __name__ == "__main__":

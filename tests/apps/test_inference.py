@@ -307,3 +307,17 @@ def test_translate_under_torchrun_gives_the_single_process_output(
                     "apps.nmt.translate", "--ckpt", str(nmt_run), "--lang", "xx",
                     "--input", str(source_file))
     assert wrong.returncode != 0 and wrong.stderr.count("error: --lang=xx") == 1
+
+
+def test_eval_bleu_under_torchrun_gives_the_single_process_report(nmt_run: Path,
+                                                                  tmp_path: Path) -> None:
+    from scripts.eval_bleu import evaluate_checkpoint
+
+    single = evaluate_checkpoint(nmt_run, split="test", beam_size=2, max_per_lang=3,
+                                 out=tmp_path / "single")
+    launch.torchrun("scripts.eval_bleu", ["--ckpt", str(nmt_run), "--split", "test", "--beam",
+                                          "2", "--max-per-lang", "3", "--out",
+                                          str(tmp_path / "piped")])
+    piped = json.loads((tmp_path / "piped.json").read_text())
+    assert piped["languages"] == single["languages"]  # scores and example hypotheses
+    assert piped["buckets"] == single["buckets"] and piped["sentences"] == single["sentences"]
