@@ -92,6 +92,10 @@ def evaluate_checkpoint(
         out = Path(out)
         write_report(report, out.with_suffix(".json"))
         plot_report(report, out.with_suffix(".png"))
+    if pipelined:
+        from apps.common import end_run
+
+        end_run()  # after rank 0's files
     return report
 
 

@@ -108,12 +108,11 @@ def evaluate_pipelined(
 ) -> dict[str, Any]:
     """``evaluate_checkpoint`` through ``DistributedGPipe`` under torchrun (see the module's
     docstring); every rank returns the report, rank 0 writes it."""
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from apps.amoebanet.config import build_model
     from apps.amoebanet.evaluate import evaluate_pipeline
-    from apps.common import setup_run
+    from apps.common import end_run, setup_run
 
     checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
     require_app(checkpoint, "amoebanet")
@@ -150,8 +149,7 @@ def evaluate_pipelined(
         out = (Path(ckpt) if (Path(ckpt) / "latest").is_file() else checkpoint) / f"eval_{split}"
     if run.master:
         write_report(report, out)
-    with gp.collectives("eval_top1: the report written"):
-        dist.barrier()
+    end_run()  # every rank waits for rank 0's report, then leaves the process groups
     return report
 
 

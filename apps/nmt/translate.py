@@ -221,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if source is not sys.stdin:
             source.close()
+    if pipelined:
+        from apps.common import end_run
+
+        end_run()
     return 0
 
 
