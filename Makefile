@@ -8,7 +8,8 @@ NPROC ?= 2
 TORCHRUN := $(VENV)/bin/torchrun --nnodes 1 --nproc-per-node $(NPROC) --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
 ARGS ?=
 
-.PHONY: install test test-fast lint smoke train-nmt eval-nmt train-amoebanet eval-amoebanet \
+.PHONY: install test test-fast lint smoke train-nmt eval-nmt translate train-amoebanet \
+        eval-amoebanet classify \
         bench bench-overhead bench-pipeline reproduce-stability reproduce-depth-width \
         reproduce-memory reproduce-throughput reproduce-app-pipelines clean
 
@@ -38,12 +39,20 @@ train-nmt: install
 eval-nmt: install
 	$(PY) scripts/eval_bleu.py --ckpt runs/nmt --split test $(ARGS)
 
+# Text to English with the trained model, stdin to stdout: make translate ARGS="--lang de" < in
+translate: install
+	$(PY) -m apps.nmt.translate --ckpt runs/nmt $(ARGS)
+
 # The paper's first application: Fashion-MNIST from Debian, AmoebaNet-D on 2 pipeline stages.
 train-amoebanet: install
 	$(TORCHRUN) -m apps.amoebanet.train $(ARGS)
 
 eval-amoebanet: install
 	$(PY) scripts/eval_top1.py --ckpt runs/amoebanet --split test $(ARGS)
+
+# Top-5 classes of image files: make classify ARGS="shirt.png boot.jpg"
+classify: install
+	$(PY) -m apps.amoebanet.classify --ckpt runs/amoebanet $(ARGS)
 
 # Both apps end to end on tiny configs with 2 pipeline ranks, in a few minutes.
 smoke: install

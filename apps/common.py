@@ -138,6 +138,16 @@ def setup_run(*, num_stages: int, device: str = "auto", num_threads: int = 1,
     )
 
 
+def end_run() -> None:
+    """Every rank waits for the others, then leaves the process groups: a rank that exits while
+    gloo's threads still serve a neighbour can abort ("terminate called without an active
+    exception"), so one-shot commands under torchrun end with this."""
+    if dist.is_initialized():
+        with gp.collectives("the end of the command"):
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def choose_balance(build_meta: Callable[[], torch.nn.Sequential], sample: Any, num_stages: int,
                    *, seed: int, device: torch.device, max_parameters: int) -> list[int]:
     """Layers per stage by the measured forward+backward time of each layer on ``sample`` (one

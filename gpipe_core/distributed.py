@@ -35,8 +35,9 @@ from .partition import split_module, verify_module
 from .remat import CHECKPOINT_MODES, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState, TimelineEvent
 from .schedule import Schedule, get_schedule
-from .shards import load_shards, save_stage_checkpoint
+from .shards import load_shards, save_stage_checkpoint, shard_name
 from .stage import LossFn, Stage, StagePosition
+from .storage import read_index, torch_load, verify_checkpoint
 from .tied import TiedWeight
 from .transport import DistributedTransport, PeerError
 
@@ -339,8 +340,23 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
                               shard=self.stage_index, num_shards=self.num_stages, files=files)
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Load this stage's parameters from a checkpoint written with any number of stages."""
-        self.load_state_dict(load_shards(directory, keys=set(self.state_dict())))
+        """Load this stage's parameters from a checkpoint written with any number of stages.
+
+        A checkpoint written with this pipeline's number of stages is read from this stage's
+        own shard only, when that shard holds every key of the stage (the same balance), so no
+        rank reads the whole model; otherwise the shards are merged and filtered.
+        """
+        keys = set(self.state_dict())
+        directory = Path(directory)
+        state: dict[str, Tensor] | None = None
+        if int(read_index(directory)["num_shards"]) == self.num_stages:
+            name = shard_name(self.stage_index, self.num_stages)
+            verify_checkpoint(directory, [name])
+            own = torch_load(directory / name, weights_only=True)
+            if keys <= set(own):
+                state = {key: own[key] for key in keys}
+            del own
+        self.load_state_dict(state if state is not None else load_shards(directory, keys=keys))
         if self._tied is not None:
             self._tied.sync()
 

@@ -10,12 +10,17 @@ search on the plain ``nn.Sequential``, detokenizes, and scores every language wi
 over high/medium/low-resource buckets (terciles of the trained languages' training-set sizes).
 Writes ``<out>.json`` and ``<out>.png`` (BLEU per language sorted by resource size, as in the
 paper's figure, with the copy baseline beside it).
+
+Under torchrun (``torchrun --nproc-per-node 2 scripts/eval_bleu.py --ckpt runs/nmt``) it
+decodes through the pipeline instead, each rank holding only its stage
+(``apps.nmt.pipelined_search``); the hypotheses, and so the scores, are the one-process ones.
+Rank 0 prints and writes the report.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,30 +32,18 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpipe_core as gp  # noqa: E402
-from apps.common import require_app  # noqa: E402
 from apps.config import ConfigError  # noqa: E402
-from apps.nmt.config import load_nmt_config  # noqa: E402
-from apps.nmt.data import CorpusError, load_manifest, load_tokenizer  # noqa: E402
+from apps.nmt.data import CorpusError  # noqa: E402
 from apps.nmt.evaluate import (  # noqa: E402
     CheckpointError,
+    TokenizerMismatch,
     evaluate,
     format_report,
-    load_model,
-    resolve_checkpoint,
+    load_checkpoint,
     write_report,
 )
 
-
-class TokenizerMismatch(ValueError):
-    """The corpus's tokenizer is not the one the checkpoint was trained with."""
-
-
-def _prepare_command(config: Any) -> str:
-    languages = f" --languages {','.join(config.languages)}" if config.languages else ""
-    return (
-        f"python -m data.gettext_m2en.prepare --out {config.data_dir} --packages "
-        f"{config.packages} --vocab-size {config.vocab_size}{languages}"
-    )
+__all__ = ["TokenizerMismatch", "evaluate_checkpoint", "main", "plot_report"]
 
 
 def evaluate_checkpoint(
@@ -70,35 +63,18 @@ def evaluate_checkpoint(
     Returns the report (see ``apps.nmt.evaluate.score``); with ``out`` also writes
     ``<out>.json`` and ``<out>.png``.
     """
-    path = resolve_checkpoint(ckpt)
-    require_app(path, "nmt")
-    config_path = path / "config.yaml"
-    if not config_path.is_file():
-        raise CheckpointError(f"{path} has no config.yaml; was it written by apps.nmt.train?")
-    overrides = [f"--config={config_path}"]
-    if data_dir is not None:
-        overrides.append(f"--data_dir={data_dir}")
-    try:
-        config = load_nmt_config(overrides)
-    except ConfigError as error:
-        raise ConfigError(f"{config_path}: {error}") from error
-    try:
-        load_manifest(config.data_dir)
-    except CorpusError as error:
-        raise CorpusError(
-            f"no prepared corpus at {config.data_dir} for checkpoint {path}; build it with "
-            f"`{_prepare_command(config)}` (or pass --data-dir)"
-        ) from error
-    tokenizer = load_tokenizer(config.data_dir)
-    trained_with = json.loads((path / "tokenizer.json").read_text())
-    if trained_with["fingerprint"] != tokenizer.fingerprint:
-        raise TokenizerMismatch(
-            f"checkpoint {path} was trained with tokenizer {trained_with['fingerprint']} "
-            f"({trained_with.get('data_dir')}), but {config.data_dir} holds tokenizer "
-            f"{tokenizer.fingerprint}; evaluate with the corpus it was trained on "
-            f"(--data-dir), or rebuild that corpus with `{_prepare_command(config)}`"
-        )
-    model = load_model(config, path, torch.device(device))
+    pipelined = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun
+    loaded = load_checkpoint(ckpt, data_dir=data_dir, device=torch.device(device),
+                             model=not pipelined)
+    path, config, tokenizer, model = loaded.path, loaded.config, loaded.tokenizer, loaded.model
+    search, master = None, True
+    if pipelined:
+        from apps.nmt.pipelined_search import load_pipeline, pipeline_search
+
+        pipe, run = load_pipeline(loaded, device=device)
+        search = pipeline_search(pipe, config, beam_size=beam_size or config.beam_size,
+                                 alpha=config.length_penalty if alpha is None else alpha)
+        device, master = str(run.device), run.master
     report = evaluate(
         model,
         config,
@@ -109,12 +85,17 @@ def evaluate_checkpoint(
         beam_size=beam_size,
         alpha=alpha,
         device=torch.device(device),
+        search=search,
     )
     report["checkpoint"] = str(path)
-    if out is not None:
+    if out is not None and master:
         out = Path(out)
         write_report(report, out.with_suffix(".json"))
         plot_report(report, out.with_suffix(".png"))
+    if pipelined:
+        from apps.common import end_run
+
+        end_run()  # after rank 0's files
     return report
 
 
@@ -188,8 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (CheckpointError, gp.CheckpointCorruptError, CorpusError, ConfigError,
             TokenizerMismatch) as error:
-        print(f"error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     print(format_report(report))
     print(f"wrote {Path(out).with_suffix('.json')} and {Path(out).with_suffix('.png')}")
     return 0

@@ -10,13 +10,31 @@ merged into the plain ``nn.Sequential`` in one process, and every image of the s
 once with the eval transforms. Writes ``<out>.json`` (top-1, top-5, loss, per-class top-1,
 confusion matrix) and ``<out>.png`` (the confusion matrix with class names); default
 ``<ckpt>/eval_<split>``.
+
+Under torchrun the same command evaluates through the pipeline instead, and no rank holds the
+whole model::
+
+    torchrun --nproc-per-node 2 scripts/eval_top1.py --ckpt runs/amoebanet [--stages 2]
+
+``--stages`` K pipeline stages (default: every rank, one pipeline; a world of R x K ranks is R
+data-parallel replicas, each reading its share of the split's shards). Each rank builds its
+stage on the ``meta`` device and loads only its part of the checkpoint (only its own shard
+when K and the balance are the checkpoint's: run.json's balance is used when it has K stages,
+else the layers are split by parameters); the images go through ``DistributedGPipe.evaluate``
+(forward only, BatchNorm in eval mode, ``chunks`` micro-batches) and the counts are summed
+over the world. Top-1, top-5 and the confusion matrix equal the one-process numbers exactly;
+the loss agrees to rounding (micro-batches change the order of floating-point sums). Rank 0
+writes the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +97,62 @@ def evaluate_checkpoint(
     return report
 
 
+def evaluate_pipelined(
+    ckpt: str | Path,
+    *,
+    split: str = "test",
+    overrides: Sequence[str] = (),
+    out: str | Path | None = None,
+    device: str = "cpu",
+    num_stages: int | None = None,
+) -> dict[str, Any]:
+    """``evaluate_checkpoint`` through ``DistributedGPipe`` under torchrun (see the module's
+    docstring); every rank returns the report, rank 0 writes it."""
+    import torch.nn.functional as F
+
+    from apps.amoebanet.config import build_model
+    from apps.amoebanet.evaluate import evaluate_pipeline
+    from apps.common import end_run, setup_run
+
+    checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
+    require_app(checkpoint, "amoebanet")
+    config = load_checkpoint_config(checkpoint, overrides)
+    shard_infos(config, split)
+    world_size = int(os.environ["WORLD_SIZE"])
+    num_stages = num_stages or world_size
+    if num_stages < 1 or world_size % num_stages:
+        raise ConfigError(f"--stages={num_stages} must divide the world size {world_size} "
+                          "(R replicas x K stages)")
+    run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
+    model = build_model(config, device="meta")
+    saved = json.loads((checkpoint / "run.json").read_text()) if (
+        checkpoint / "run.json").is_file() else {}
+    balance = saved.get("balance")
+    if not balance or len(balance) != num_stages:
+        balance = gp.balance_by_params(model, num_stages)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels)
+
+    pipe = gp.DistributedGPipe(
+        model, list(balance), chunks=config.chunks, schedule="gpipe", loss_fn=loss_fn,
+        group=run.pipeline_group, data_parallel_group=run.data_group if run.num_replicas > 1
+        else None, device=run.device, seed=config.seed, timeout_s=config.timeout_s,
+    )
+    del model
+    pipe.load_checkpoint(checkpoint)  # this stage's keys only
+    metrics = evaluate_pipeline(pipe, config, run, split, nullcontext())
+    report = metrics.report(class_names(config), split=split)
+    report.update(checkpoint=str(checkpoint), stages=num_stages, balance=list(balance),
+                  replicas=run.num_replicas)
+    if out is None:
+        out = (Path(ckpt) if (Path(ckpt) / "latest").is_file() else checkpoint) / f"eval_{split}"
+    if run.master:
+        write_report(report, out)
+    end_run()  # every rank waits for rank 0's report, then leaves the process groups
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python scripts/eval_top1.py",
@@ -92,16 +166,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="write <out>.json and <out>.png (default: <out_dir>/eval_<split>)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="under torchrun: pipeline stages (default: the world size)")
     args, overrides = parser.parse_known_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    pipelined = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
-        report = evaluate_checkpoint(args.ckpt, split=args.split, overrides=overrides,
-                                     out=args.out, device=args.device)
+        if pipelined:
+            report = evaluate_pipelined(args.ckpt, split=args.split, overrides=overrides,
+                                        out=args.out, device=args.device,
+                                        num_stages=args.stages)
+        else:
+            report = evaluate_checkpoint(args.ckpt, split=args.split, overrides=overrides,
+                                         out=args.out, device=args.device)
     except (CheckpointError, gp.CheckpointCorruptError, DatasetNotFoundError,
             ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     print(f"{report['checkpoint']}: {args.split} top-1 {100 * report['top1']:.2f}%  top-5 "
           f"{100 * report['top5']:.2f}%  loss {report['loss']:.4f}  ({report['images']:,} images)")
     worst = sorted(report["per_class_top1"].items(), key=lambda item: item[1])[:3]

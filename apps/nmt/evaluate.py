@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,13 +14,16 @@ from torch import Tensor, nn
 
 from apps import common
 from apps.common import CheckpointError
-from apps.nmt.config import NMTConfig, build_model
+from apps.config import ConfigError
+from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import (
     RESOURCE_BUCKETS,
     CorpusError,
     Tokenizer,
     eval_batches,
     language_counts,
+    load_manifest,
+    load_tokenizer,
     resource_buckets,
 )
 from apps.nmt.search import beam_search
@@ -28,8 +31,10 @@ from apps.nmt.search import beam_search
 __all__ = [
     "Sentence",
     "CheckpointError",
+    "TokenizerMismatch",
     "evaluate",
     "format_report",
+    "load_checkpoint",
     "load_eval_sentences",
     "load_model",
     "resolve_checkpoint",
@@ -73,6 +78,71 @@ def load_model(config: NMTConfig, checkpoint_dir: str | Path, device: torch.devi
     state = gp.load_shards(checkpoint_dir)
     model.load_state_dict(state, assign=True)
     return model.to(device).eval()
+
+
+class TokenizerMismatch(ValueError):
+    """The corpus's tokenizer is not the one the checkpoint was trained with."""
+
+
+def prepare_command(config: NMTConfig) -> str:
+    """The command that builds the corpus (and its tokenizer) ``config`` was trained on."""
+    languages = f" --languages {','.join(config.languages)}" if config.languages else ""
+    return (
+        f"python -m data.gettext_m2en.prepare --out {config.data_dir} --packages "
+        f"{config.packages} --vocab-size {config.vocab_size}{languages}"
+    )
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What translating with a checkpoint needs: its folder, config, tokenizer and model."""
+
+    path: Path
+    config: NMTConfig
+    tokenizer: Tokenizer
+    model: nn.Sequential | None
+
+
+def load_checkpoint(ckpt: str | Path, *, data_dir: str | None = None,
+                    device: torch.device | None = None, model: bool = True) -> LoadedCheckpoint:
+    """The NMT checkpoint under ``ckpt`` (a run's out_dir or a step folder), in one process.
+
+    Checks, each with an error that says the fix: a checkpoint exists (CheckpointError naming
+    the train command) and is intact (gp.CheckpointCorruptError), it is an NMT one (not
+    AmoebaNet's), its config loads, the corpus (``data_dir``, default the config's) is prepared
+    (CorpusError naming the prepare command), and the corpus's tokenizer has the fingerprint
+    the checkpoint was trained with (TokenizerMismatch). ``model=False`` skips the weights.
+    """
+    path = resolve_checkpoint(ckpt)
+    common.require_app(path, "nmt")
+    config_path = path / "config.yaml"
+    if not config_path.is_file():
+        raise CheckpointError(f"{path} has no config.yaml; was it written by apps.nmt.train?")
+    overrides = [f"--config={config_path}"]
+    if data_dir is not None:
+        overrides.append(f"--data_dir={data_dir}")
+    try:
+        config = load_nmt_config(overrides)
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from error
+    try:
+        load_manifest(config.data_dir)
+    except CorpusError as error:
+        raise CorpusError(
+            f"no prepared corpus at {config.data_dir} for checkpoint {path}; build it with "
+            f"`{prepare_command(config)}` (or pass --data-dir)"
+        ) from error
+    tokenizer = load_tokenizer(config.data_dir)
+    trained_with = json.loads((path / "tokenizer.json").read_text())
+    if trained_with["fingerprint"] != tokenizer.fingerprint:
+        raise TokenizerMismatch(
+            f"checkpoint {path} was trained with tokenizer {trained_with['fingerprint']} "
+            f"({trained_with.get('data_dir')}), but {config.data_dir} holds tokenizer "
+            f"{tokenizer.fingerprint}; use the corpus it was trained on "
+            f"(--data-dir), or rebuild that corpus with `{prepare_command(config)}`"
+        )
+    weights = load_model(config, path, device or torch.device("cpu")) if model else None
+    return LoadedCheckpoint(path, config, tokenizer, weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +234,7 @@ def _pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> Te
 
 
 def translate(
-    model: nn.Sequential,
+    model: nn.Sequential | None,
     sentences: Sequence[Sentence],
     tokenizer: Tokenizer,
     *,
@@ -174,10 +244,12 @@ def translate(
     device: torch.device,
     max_src_tokens: int = 2048,
     max_sentences: int = 64,
+    search: Callable[[Tensor, int], list[list[int]]] | None = None,
 ) -> list[str]:
     """Detokenized beam-search translations of ``sentences`` (in their order), in batches of
     similar length. Output length is bounded by ``max_decode_len`` and by twice the source
-    length plus 8.
+    length plus 8. ``search(src_ids, max_len)``, when given, decodes a padded batch instead of
+    ``beam_search`` on ``model`` (e.g. through a pipeline: ``apps.nmt.pipelined_search``).
     """
     groups = _batches_by_length(
         sentences, max_src_tokens=max_src_tokens, max_sentences=max_sentences
@@ -186,15 +258,19 @@ def translate(
     for group in groups:
         src = _pad([sentences[i].src_ids for i in group], tokenizer.pad_id, device)
         max_len = min(max_decode_len, 2 * src.shape[1] + 8)
-        ids = beam_search(
-            model,
-            src,
-            bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id,
-            beam_size=beam_size,
-            alpha=alpha,
-            max_len=max_len,
-        )
+        if search is not None:
+            ids = search(src, max_len)
+        else:
+            assert model is not None, "translate needs a model or a search"
+            ids = beam_search(
+                model,
+                src,
+                bos_id=tokenizer.bos_id,
+                eos_id=tokenizer.eos_id,
+                beam_size=beam_size,
+                alpha=alpha,
+                max_len=max_len,
+            )
         for index, hypothesis in zip(group, ids, strict=True):
             translations[index] = tokenizer.decode(hypothesis)
     return [translations[i] for i in range(len(sentences))]
@@ -287,7 +363,7 @@ def score(
 
 
 def evaluate(
-    model: nn.Sequential,
+    model: nn.Sequential | None,
     config: NMTConfig,
     tokenizer: Tokenizer,
     *,
@@ -297,8 +373,10 @@ def evaluate(
     beam_size: int | None = None,
     alpha: float | None = None,
     device: torch.device | None = None,
+    search: Callable[[Tensor, int], list[list[int]]] | None = None,
 ) -> Report:
-    """Translate ``split`` and score it (in one process: the training run calls it on rank 0).
+    """Translate ``split`` and score it (in one process: the training run calls it on rank 0;
+    with ``search`` instead of ``model``, through a pipeline: see ``translate``).
 
     ``languages`` None evaluates the trained languages that have ``split`` data (others are
     listed under ``skipped``); given explicitly, a language without data is an error.
@@ -318,7 +396,8 @@ def evaluate(
         pad_id=tokenizer.pad_id,
         strict=bool(languages),
     )
-    device = device or next(model.parameters()).device
+    if device is None:
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
     hypotheses = translate(
         model,
         sentences,
@@ -327,6 +406,7 @@ def evaluate(
         alpha=config.length_penalty if alpha is None else alpha,
         max_decode_len=config.max_decode_len,
         device=device,
+        search=search,
     )
     report = score(sentences, hypotheses, buckets, train_counts)
     report.update(

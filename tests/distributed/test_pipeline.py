@@ -296,6 +296,32 @@ def test_checkpoint_from_two_ranks_loads_into_four_gpipe_and_plain(tmp_path: Pat
         assert torch.equal(value, state[key]) and torch.equal(pipe.state_dict()[key], state[key])
 
 
+def run_checkpoint_load_reporting(rank: int, world: int, directory: str,
+                                  balance: list[int]) -> Any:
+    try:
+        return run_checkpoint_load(rank, world, directory, balance)
+    except gp.CheckpointCorruptError as error:
+        return str(error)
+
+
+def test_checkpoint_with_the_same_balance_reads_only_the_stages_own_shard(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "ckpt"
+    spawn(run_checkpoint_save, 2, tmp_path / "save", str(directory), [4, 4])
+    other = directory / "shard-001-of-002.pt"
+    other.write_bytes(other.read_bytes()[:-8])  # damage the second stage's shard
+    first, second = spawn(run_checkpoint_load_reporting, 2, tmp_path / "load", str(directory),
+                          [4, 4])
+    with torch.device("meta"):
+        expected = build()
+    state = gp.materialize(expected, seed=11).state_dict()
+    assert isinstance(first, dict) and set(first) < set(state)  # never opened shard 1
+    for key, value in first.items():
+        assert torch.equal(value, state[key])
+    assert isinstance(second, str) and f"checkpoint file {other} is damaged" in second
+
+
 def run_clip_and_trace(rank: int, world: int, root: str) -> Any:
     torch.manual_seed(0)
     pipe = gp.DistributedGPipe(build(), [4, 4], chunks=4, loss_fn=loss_fn, record=True)
