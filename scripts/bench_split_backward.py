@@ -22,19 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_core.stage import Stage
-
-
-class Block(nn.Module):
-    """Pre-norm residual MLP block (the feed-forward half of a Transformer layer)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+from scripts.bench_pipeline import Block  # pre-norm residual MLP block
 
 
 def build(model: str, blocks: int, width: int) -> list[tuple[str, nn.Module]]:

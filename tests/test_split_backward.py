@@ -19,23 +19,10 @@ from torch import Tensor, nn
 from gpipe_core.batchnorm import DeferredBatchNorm
 from gpipe_core.split_backward import backward_input
 from gpipe_core.stage import Stage
+from tests.distributed.test_pipeline import Block  # (x, mask, lengths), with dropout
 
 CPU = torch.device("cpu")
 TOL = 1e-12
-
-
-class Block(nn.Module):
-    """Residual MLP block on (x, mask, lengths), with dropout: floats, bools and ints travel."""
-
-    def __init__(self, width: int, p: float = 0.0) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-        self.dropout = nn.Dropout(p)
-
-    def forward(self, batch: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        x, mask, lengths = batch
-        y = x + self.dropout(torch.tanh(self.linear(x))) * mask.unsqueeze(-1)
-        return y, mask, lengths + 1
 
 
 class Twice(nn.Module):
