@@ -24,7 +24,14 @@ Fill-drain (GPipe) for K=3 stages and M=4 micro-batches, one column per clock st
     stage 2  .    .    2F0  2F1  2F2  2F3  2B3  2B2  2B1  2B0  .    .
 
 Legend: K = num_stages, M = num_microbatches, s = stage index, m = micro-batch index.
+
+Virtual stages: a rank may hold several stages (model chunks). A schedule then has one row per
+rank, each row the rank's actions over all of its stages in order, and a ``placement``: the rank
+of every stage. Interleaved 1F1B puts stage s on rank s mod R (``interleaved_1f1b``); ZB-V
+(``zb_v``) folds the pipeline into a V, stage s and stage 2R-1-s on rank s. Without virtual
+stages the placement is the identity and a row is a stage's.
 """
+
 
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "zb_h1", "zb_h2",
-           "get_schedule"]
+           "interleaved_1f1b", "zb_v", "get_schedule", "SCHEDULE_NAMES"]
 
 Kind = Literal["F", "B", "I", "W"]
 BACKWARD_KINDS = ("B", "I", "W")
@@ -69,29 +76,64 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage ordered action lists for ``num_stages`` stages and ``num_microbatches``."""
+    """Per-rank ordered action lists for ``num_stages`` stages and ``num_microbatches``.
+
+    ``placement[s]`` is the rank that runs stage s; empty means stage s on rank s (one stage per
+    rank: then ``actions[s]`` is stage s's row).
+    """
 
     name: str
     num_stages: int
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.placement:
+            object.__setattr__(self, "placement", tuple(range(self.num_stages)))
 
     def __str__(self) -> str:
-        return "\n".join(" ".join(str(a) for a in stage) for stage in self.actions)
+        return "\n".join(" ".join(str(a) for a in row) for row in self.actions)
 
     @classmethod
     def from_text(cls, text: str, *, name: str = "custom") -> Schedule:
-        """Parse one line per stage of space-separated actions (the inverse of ``str``)."""
+        """Parse one line per rank of space-separated actions (the inverse of ``str``); a
+        stage runs on the rank whose line holds its actions."""
         rows = [line.split() for line in text.strip().splitlines() if line.strip()]
         actions = tuple(tuple(Action.parse(a) for a in row) for row in rows)
         mbs = {a.mb for row in actions for a in row}
-        return cls(name, len(actions), (max(mbs) + 1) if mbs else 0, actions)
+        ranks: dict[int, set[int]] = {}
+        for rank, row in enumerate(actions):
+            for action in row:
+                ranks.setdefault(action.stage, set()).add(rank)
+        num_stages = max(ranks, default=-1) + 1
+        split = sorted(s for s, where in ranks.items() if len(where) > 1)
+        if split:
+            raise ScheduleError(f"stages {split} have actions on more than one rank's line")
+        missing = [s for s in range(num_stages) if s not in ranks]
+        if missing:
+            raise ScheduleError(f"stages {missing} have no actions")
+        placement = tuple(next(iter(ranks[s])) for s in range(num_stages))
+        return cls(name, num_stages, (max(mbs) + 1) if mbs else 0, actions, placement)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    @property
+    def virtual(self) -> bool:
+        """True when some rank runs more than one stage."""
+        return self.num_ranks != self.num_stages
+
+    def stages_on(self, rank: int) -> list[int]:
+        """The stages that ``rank`` runs, in pipeline order."""
+        return [s for s, r in enumerate(self.placement) if r == rank]
 
     @property
     def forward_then_backward(self) -> bool:
-        """True when every stage runs all of its forwards before any backward (fill-drain)."""
-        for stage_actions in self.actions:
-            kinds = [a.kind for a in stage_actions]
+        """True when every rank runs all of its forwards before any backward (fill-drain)."""
+        for row in self.actions:
+            kinds = [a.kind for a in row]
             backward = [i for i, kind in enumerate(kinds) if kind != "F"]
             if backward and "F" in kinds[backward[0] :]:
                 return False
@@ -103,12 +145,13 @@ class Schedule:
         return any(a.kind == "W" for row in self.actions for a in row)
 
     def peak_held(self) -> list[int]:
-        """Per stage: the most micro-batches held at once, between their F and their B or W
-        (what activation memory scales with, without re-materialization)."""
+        """Per rank: the most micro-batches held at once, between their F and their B or W
+        (what activation memory scales with, without re-materialization); with virtual stages
+        a micro-batch counts once per stage that holds it."""
         peaks = []
-        for stage_actions in self.actions:
+        for row in self.actions:
             held = peak = 0
-            for action in stage_actions:
+            for action in row:
                 held += 1 if action.kind == "F" else -1 if action.kind in "BW" else 0
                 peak = max(peak, held)
             peaks.append(peak)
@@ -117,39 +160,37 @@ class Schedule:
     def clock(self) -> list[list[Action]]:
         """Simulate the schedule in unit-time steps; return the actions that run at each step.
 
-        A stage runs its next action as soon as its dependencies finished in an earlier step:
+        A rank runs its next action as soon as its dependencies finished in an earlier step:
         ``F(s, m)`` needs ``F(s-1, m)``; ``B(s, m)`` and ``I(s, m)`` need ``F(s, m)`` and the
         gradient from stage s+1 (its ``B(s+1, m)`` or ``I(s+1, m)``); ``W(s, m)`` needs
         ``I(s, m)``.
-        Raises :class:`ScheduleError` (with the grid so far) when no stage can move.
+        Raises :class:`ScheduleError` (with the grid so far) when no rank can move.
         """
         validate_structure(self)
         done: set[tuple[int, str, int]] = set()
-        cursor = [0] * self.num_stages
+        cursor = [0] * self.num_ranks
         steps: list[list[Action]] = []
         total = sum(len(a) for a in self.actions)
         while sum(cursor) < total:
             ready = []
-            for stage, stage_actions in enumerate(self.actions):
-                if cursor[stage] < len(stage_actions):
-                    action = stage_actions[cursor[stage]]
+            for rank, row in enumerate(self.actions):
+                if cursor[rank] < len(row):
+                    action = row[cursor[rank]]
                     if all(dep in done for dep in _dependencies(action, self.num_stages)):
-                        ready.append(action)
+                        ready.append((rank, action))
             if not ready:
-                blocked = {
-                    s: self.actions[s][cursor[s]]
-                    for s in range(self.num_stages)
-                    if cursor[s] < len(self.actions[s])
-                }
+                blocked = {r: row[cursor[r]] for r, row in enumerate(self.actions)
+                           if cursor[r] < len(row)}
+                who = "rank" if self.virtual else "stage"
                 raise ScheduleError(
-                    f"schedule {self.name!r} deadlocks at step {len(steps)}: every stage waits "
+                    f"schedule {self.name!r} deadlocks at step {len(steps)}: every {who} waits "
                     "for an action that never runs (blocked actions marked with !)\n"
                     + draw(self, steps, blocked=blocked)
                 )
-            for action in ready:
+            for rank, action in ready:
                 done.update(_provides(action))
-                cursor[action.stage] += 1
-            steps.append(ready)
+                cursor[rank] += 1
+            steps.append([action for _, action in ready])
         return steps
 
 
@@ -180,21 +221,23 @@ def draw(
     *,
     blocked: dict[int, Action] | None = None,
 ) -> str:
-    """Draw the step x stage grid; ``blocked`` actions are appended marked with ``!``."""
+    """Draw the step x rank grid (a row per stage without virtual stages); ``blocked``
+    actions (per row) are appended marked with ``!``."""
     if steps is None:
         steps = schedule.clock()
     blocked = blocked or {}
     width = max([len(str(a)) for row in schedule.actions for a in row] + [3])
     columns = len(steps) + (1 if blocked else 0)
+    label = "rank " if schedule.virtual else "stage"
     lines = ["step     " + " ".join(f"{i:<{width + 1}}" for i in range(columns)).rstrip()]
-    for stage in range(schedule.num_stages):
+    for row in range(schedule.num_ranks):
         cells = []
         for step in steps:
-            here = [a for a in step if a.stage == stage]
+            here = [a for a in step if schedule.placement[a.stage] == row]
             cells.append(str(here[0]) if here else ".")
         if blocked:
-            cells.append(f"{blocked[stage]}!" if stage in blocked else ".")
-        lines.append(f"stage {stage:<2} " + " ".join(f"{c:<{width + 1}}" for c in cells).rstrip())
+            cells.append(f"{blocked[row]}!" if row in blocked else ".")
+        lines.append(f"{label} {row:<2} " + " ".join(f"{c:<{width + 1}}" for c in cells).rstrip())
     return "\n".join(lines)
 
 
@@ -202,21 +245,34 @@ def validate_structure(schedule: Schedule) -> None:
     """Check completeness and message order; raise :class:`ScheduleError` naming the problem.
 
     Every stage must run, for every micro-batch, F exactly once and then either B exactly once
-    or I and W exactly once each, in the order F, I, W. Neighbouring stages must process
-    micro-batches in the same order: forwards, and the actions that send a gradient (B or I);
-    point-to-point messages are matched in order, so a mismatch would deliver the wrong
-    micro-batch.
+    or I and W exactly once each, in the order F, I, W, all on the rank ``placement`` gives it.
+    Neighbouring stages must process micro-batches in the same order: forwards, and the actions
+    that send a gradient (B or I); point-to-point messages are matched in order, so a mismatch
+    would deliver the wrong micro-batch.
     """
     k, m = schedule.num_stages, schedule.num_microbatches
     if k < 1 or m < 1:
         raise ScheduleError(f"num_stages={k} and num_microbatches={m} must both be >= 1")
-    if len(schedule.actions) != k:
-        raise ScheduleError(f"schedule has {len(schedule.actions)} stage rows for num_stages={k}")
-    for stage, stage_actions in enumerate(schedule.actions):
+    placement = schedule.placement
+    if len(placement) != k:
+        raise ScheduleError(f"placement {list(placement)} names {len(placement)} stages for "
+                            f"num_stages={k}")
+    if sorted(set(placement)) != list(range(schedule.num_ranks)):
+        raise ScheduleError(
+            f"schedule has {schedule.num_ranks} rank rows but placement {list(placement)} puts "
+            f"stages on ranks {sorted(set(placement))}; every row must run at least one stage"
+        )
+    rows: list[list[Action]] = [[] for _ in range(k)]
+    for rank, row in enumerate(schedule.actions):
+        misplaced = [str(a) for a in row if not 0 <= a.stage < k or placement[a.stage] != rank]
+        if misplaced:
+            who = f"rank {rank}" if schedule.virtual else f"stage {rank}"
+            raise ScheduleError(f"row of {who} holds actions of stages it does not run: "
+                                f"{misplaced}")
+        for action in row:
+            rows[action.stage].append(action)
+    for stage, stage_actions in enumerate(rows):
         seen: list[tuple[str, int]] = [(a.kind, a.mb) for a in stage_actions]
-        wrong_stage = [str(a) for a in stage_actions if a.stage != stage]
-        if wrong_stage:
-            raise ScheduleError(f"row of stage {stage} holds actions of other stages: {wrong_stage}")
         split = {mb for kind, mb in seen if kind in "IW"}
         expected = {("F", mb) for mb in range(m)}
         expected |= {(kind, mb) for mb in range(m) for kind in ("IW" if mb in split else "B")}
@@ -238,8 +294,8 @@ def validate_structure(schedule: Schedule) -> None:
                     )
     for stage in range(k - 1):
         for label, kinds in (("forwards", "F"), ("gradient sends (B or I)", "BI")):
-            here = [a.mb for a in schedule.actions[stage] if a.kind in kinds]
-            there = [a.mb for a in schedule.actions[stage + 1] if a.kind in kinds]
+            here = [a.mb for a in rows[stage] if a.kind in kinds]
+            there = [a.mb for a in rows[stage + 1] if a.kind in kinds]
             if here != there:
                 raise ScheduleError(
                     f"stages {stage} and {stage + 1} run {label} on micro-batches in different "
@@ -383,33 +439,158 @@ def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("zb_h2", k, m, tuple(tuple(row) for row in rows))
 
 
+def interleaved_1f1b(num_stages: int, num_microbatches: int, *, num_ranks: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", 2021): ``num_stages = V * num_ranks`` stages, stage s on rank
+    s mod R, so every rank holds V non-contiguous chunks of 1/V of a plain stage's layers.
+
+    The micro-batches go in rounds of P = M // (M // R) (at least R; the first M mod rounds
+    rounds take one more): a rank runs the forwards of a round on its chunks in pipeline order,
+    chunk by chunk, and the backwards in reverse chunk order. Rank r warms up with
+    2(R-1-r) + (V-1)P forwards, then alternates F and B, then drains. The bubble shrinks about
+    V times against 1F1B's (in units of a chunk's F + B: R-1 per rank instead of V(R-1)); rank
+    r holds at most 2(R-1-r) + (V-1)P + 1 chunk micro-batches (each 1/V of a stage's).
+    ``interleaved_1f1b(4, 4, num_ranks=2)``::
+
+        step     0    1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17
+        rank  0  0F0  0F1  2F0  2F1  0F2  2B0  0F3  2B1  2F2  0B0  2F3  0B1  .    2B2  .    2B3  0B2  0B3
+        rank  1  .    1F0  1F1  3F0  3B0  3F1  3B1  1F2  1B0  1F3  1B1  3F2  3B2  3F3  3B3  1B2  1B3  .
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if num_ranks < 1 or num_stages % num_ranks:
+        raise ValueError(f"interleaved 1F1B needs num_stages={num_stages} to be a multiple of "
+                         f"num_ranks={num_ranks} (V chunks per rank)")
+    k, m, v = num_ranks, num_microbatches, num_stages // num_ranks
+    rounds = max(1, m // k)
+    sizes = [m // rounds + (1 if i < m % rounds else 0) for i in range(rounds)]
+    rows = []
+    for r in range(k):
+        forwards: list[tuple[int, int]] = []
+        backwards: list[tuple[int, int]] = []
+        start = 0
+        for size in sizes:
+            batch = range(start, start + size)
+            forwards += [(chunk * k + r, mb) for chunk in range(v) for mb in batch]
+            backwards += [(chunk * k + r, mb) for chunk in reversed(range(v)) for mb in batch]
+            start += size
+        total = m * v
+        warmup = min(2 * (k - 1 - r) + (v - 1) * sizes[0], total)
+        row = [Action(stage, "F", mb) for stage, mb in forwards[:warmup]]
+        for i in range(warmup, total):
+            row += [Action(forwards[i][0], "F", forwards[i][1]),
+                    Action(backwards[i - warmup][0], "B", backwards[i - warmup][1])]
+        row += [Action(stage, "B", mb) for stage, mb in backwards[total - warmup :]]
+        rows.append(tuple(row))
+    placement = tuple(s % k for s in range(num_stages))
+    return Schedule("interleaved_1f1b", num_stages, m, tuple(rows), placement)
+
+
+def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): R = K/2 ranks,
+    each holding two chunks in a V: stage s and stage K-1-s on rank s, so the first and the
+    last stage share rank 0 and the turn of the V stays on rank R-1 (no message there).
+    Backward split into I and W, as in ZB-H1/H2.
+
+    Built by a stated greedy rule in unit time (F = I = W = 1 per chunk): every rank at every
+    step runs the first ready action of: an I of its later chunk, then of its earlier one (the
+    oldest micro-batch whose gradient arrived); a forward, later chunk first, while it holds
+    fewer than 2R chunk micro-batches (R whole micro-batches: 1F1B's peak on its first stage);
+    its oldest pending W. For M >= 2R a step lasts 6M + R - 1 units (at most one more) for 6M
+    units of work per rank: an idle R-1 units per rank where 1F1B on the same 2R stages' layers
+    idles 6(R-1) (checked for R <= 8 in the tests); a rank holds at most 2R chunk micro-batches.
+    ``zb_v(4, 4)`` (two ranks)::
+
+        step     0    1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17   18   19   20   21   22   23   24
+        rank  0  0F0  0F1  0F2  3F0  3I0  3W0  3F1  3I1  0I0  3W1  0I1  0F3  0W0  3F2  3I2  0W1  3W2  0I2  0W2  3F3  3I3  3W3  .    0I3  0W3
+        rank  1  .    1F0  2F0  1F1  2F1  2I0  1I0  2W0  2I1  1I1  1F2  1W0  2F2  2W1  1F3  2I2  1I2  1W1  2F3  2W2  1W2  2I3  1I3  2W3  1W3
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if num_stages % 2:
+        raise ValueError(f"ZB-V needs an even num_stages={num_stages}: two chunks per rank")
+    n, m = num_stages, num_microbatches
+    k = n // 2
+    limit = 2 * k
+    rows: list[list[Action]] = [[] for _ in range(k)]
+    next_ = {kind: [0] * n for kind in "FIW"}
+    held = [0] * k
+    finished: dict[tuple[int, str, int], int] = {}
+    never = 1 << 62
+    time = 0
+
+    def gradient_arrived(s: int) -> bool:
+        after = (s, "F") if s == n - 1 else (s + 1, "I")
+        return finished.get((*after, next_["I"][s]), never) <= time
+
+    def input_arrived(s: int) -> bool:
+        return s == 0 or finished.get((s - 1, "F", next_["F"][s]), never) <= time
+
+    while any(w < m for w in next_["W"]):
+        for r in range(k):
+            later, earlier = n - 1 - r, r
+            ready = [("I", s) for s in (later, earlier)
+                     if next_["I"][s] < next_["F"][s] and gradient_arrived(s)]
+            ready += [("F", s) for s in (later, earlier)
+                      if next_["F"][s] < m and held[r] < limit and input_arrived(s)]
+            weights = [s for s in (later, earlier) if next_["W"][s] < next_["I"][s]]
+            weights.sort(key=lambda s: finished[(s, "I", next_["W"][s])])
+            ready += [("W", s) for s in weights]
+            if not ready:
+                continue
+            kind, s = ready[0]
+            mb = next_[kind][s]
+            next_[kind][s] += 1
+            held[r] += 1 if kind == "F" else -1 if kind == "W" else 0
+            rows[r].append(Action(s, kind, mb))  # type: ignore[arg-type]
+            finished[(s, kind, mb)] = time + 1
+        time += 1
+    placement = tuple(s if s < k else n - 1 - s for s in range(n))
+    return Schedule("zb_v", n, m, tuple(tuple(row) for row in rows), placement)
+
+
 _SLACK_RE = re.compile(r"^1f1b_slack(\d+)$")
 _SCHEDULES = {"gpipe": gpipe, "fill_drain": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b,
               "zb_h1": zb_h1, "zb_h2": zb_h2}
+_VIRTUAL = ("interleaved_1f1b", "zb_v")  # several stages per rank
+SCHEDULE_NAMES = (*sorted(_SCHEDULES), *_VIRTUAL, "1f1b_slackN")
 
 
-def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int) -> Schedule:
+def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int, *,
+                 num_ranks: int | None = None) -> Schedule:
     """Build a schedule by name (``"gpipe"``, ``"1f1b"``, ``"1f1b_slackN"``, ``"zb_h1"``,
-    ``"zb_h2"``), or check a given one's sizes."""
+    ``"zb_h2"``, and with several stages per rank ``"interleaved_1f1b"`` or ``"zb_v"``), or
+    check a given one's sizes. ``num_ranks`` defaults to one rank per stage."""
+    ranks = num_stages if num_ranks is None else num_ranks
     if isinstance(name, Schedule):
-        if (name.num_stages, name.num_microbatches) != (num_stages, num_microbatches):
+        if (name.num_stages, name.num_microbatches, name.num_ranks) != (
+                num_stages, num_microbatches, ranks):
             raise ScheduleError(
                 f"schedule {name.name!r} is for {name.num_stages} stages x "
-                f"{name.num_microbatches} micro-batches, but the pipeline runs {num_stages} x "
-                f"{num_microbatches}"
+                f"{name.num_microbatches} micro-batches on {name.num_ranks} ranks, but the "
+                f"pipeline runs {num_stages} x {num_microbatches} on {ranks}"
             )
         validate(name)
         return name
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(num_stages, num_microbatches, num_ranks=ranks)
+    if name == "zb_v":
+        if num_stages != 2 * ranks:
+            raise ValueError(f"zb_v runs two stages per rank: give {2 * ranks} stages for "
+                             f"{ranks} ranks (len(balance)), not {num_stages}")
+        return zb_v(num_stages, num_microbatches)
     slack = _SLACK_RE.match(name)
+    factory = _SCHEDULES.get(name)
+    if slack is None and factory is None:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {list(SCHEDULE_NAMES)} "
+                         "('1f1b_slackN': 1F1B with N extra warm-up forwards)")
+    if num_stages != ranks:
+        raise ValueError(
+            f"schedule {name!r} runs one stage per rank, but there are {num_stages} stages for "
+            f"{ranks} ranks; give len(balance) == {ranks}, or a schedule with several stages "
+            f"per rank: {list(_VIRTUAL)}"
+        )
     if slack is not None:
         return one_f_one_b(num_stages, num_microbatches, slack=int(slack.group(1)))
-    try:
-        factory = _SCHEDULES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown schedule {name!r}; choose one of {sorted(_SCHEDULES)} or '1f1b_slackN' "
-            "(1F1B with N extra warm-up forwards)"
-        ) from None
+    assert factory is not None
     return factory(num_stages, num_microbatches)
 
 

@@ -27,10 +27,11 @@ class Simulation:
     """What a schedule would do with the given costs."""
 
     step_time: float
-    bubble_fraction: float  # idle share of all stages' time over the step
+    bubble_fraction: float  # idle share of all ranks' time over the step
     events: list[TimelineEvent]
-    peak_inflight: list[int]  # per stage: most micro-batches between their F and their B/W
-    peak_bytes: list[float]  # per stage: activation bytes at that peak (0 without sizes)
+    peak_inflight: list[int]  # per rank: most micro-batches between their F and their B/W
+    peak_bytes: list[float]  # per rank: activation bytes at that peak (0 without sizes)
+    # (a rank is a stage without virtual stages; with them a micro-batch counts per stage)
 
 
 def simulate(
@@ -47,7 +48,8 @@ def simulate(
     activation_bytes: Sequence[float] | None = None,
     input_bytes: Sequence[float] | None = None,
 ) -> Simulation:
-    """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times.
+    """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
+    runs one action at a time (with virtual stages, several stages' actions in its row's order).
 
     Backward costs: ``backward[s]`` is a whole backward (B); ``backward_input[s]`` (I) and
     ``backward_weight[s]`` (W) are its two halves in a split schedule. Give ``backward``, or
@@ -55,7 +57,8 @@ def simulate(
     With only ``backward``, I and W are taken to cost half of it each.
     ``transfer``: seconds from the end of an action to its dependant's earliest start on the
     neighbouring stage, one value for every boundary or one per boundary ``s -> s+1`` (K-1
-    values; activations and gradients cross a boundary in the same time).
+    values; activations and gradients cross a boundary in the same time; a boundary inside a
+    rank, between two of its virtual stages, costs nothing).
     Re-materialized micro-batches (``checkpoint``) run their forward without autograd
     (``forward_no_grad[s]``, default ``forward[s]``) and pay a forward with autograd again
     before their backward, in B or I (``recompute[s]``, default ``forward[s]``).
@@ -64,6 +67,7 @@ def simulate(
     re-materialized until B or I (I rebuilds the graph, which W needs: activation bytes again).
     """
     k, m = schedule.num_stages, schedule.num_microbatches
+    ranks, placement = schedule.num_ranks, schedule.placement
     for name, values in (("forward", forward), ("backward", backward),
                          ("backward_input", backward_input), ("backward_weight", backward_weight),
                          ("recompute", recompute), ("forward_no_grad", forward_no_grad)):
@@ -77,28 +81,30 @@ def simulate(
         if len(links) != k - 1:
             raise ValueError(f"transfer has {len(links)} values for {k - 1} boundaries between "
                              f"{k} stages; give one per boundary or a single number")
+    links = [0.0 if placement[s] == placement[s + 1] else t for s, t in enumerate(links)]
     rerun = list(forward) if recompute is None else list(recompute)
     first_pass = list(forward) if forward_no_grad is None else list(forward_no_grad)
     stop = checkpoint_stop(checkpoint, m)
     finish: dict[tuple[int, str, int], float] = {}
-    free = [0.0] * k
-    cursor = [0] * k
+    free = [0.0] * ranks
+    cursor = [0] * ranks
     events: list[TimelineEvent] = []
-    inflight = [0] * k
-    peak_inflight = [0] * k
-    kept = [0.0] * k
-    peak_bytes = [0.0] * k
+    inflight = [0] * ranks
+    peak_inflight = [0] * ranks
+    kept = [0.0] * ranks
+    peak_bytes = [0.0] * ranks
     total = sum(len(row) for row in schedule.actions)
     done = 0
     while done < total:
         progressed = False
-        for s in range(k):
-            while cursor[s] < len(schedule.actions[s]):
-                action = schedule.actions[s][cursor[s]]
+        for r, row in enumerate(schedule.actions):
+            while cursor[r] < len(row):
+                action = row[cursor[r]]
+                s = action.stage
                 ready = _ready_time(action.kind, s, action.mb, k, finish, links)
                 if ready is None:
                     break
-                start = max(free[s], ready)
+                start = max(free[r], ready)
                 rematerialized = action.mb < stop
                 duration = costs[action.kind][s]
                 if action.kind == "F" and rematerialized:
@@ -109,22 +115,22 @@ def simulate(
                 finish[(s, action.kind, action.mb)] = end
                 if action.kind == "B":
                     finish[(s, "I", action.mb)] = end  # a B sends the input gradient too
-                free[s] = end
+                free[r] = end
                 events.append(TimelineEvent(s, str(action), start, end))
                 held = _kept_bytes(s, rematerialized, activation_bytes, input_bytes)
                 if action.kind == "F":
-                    inflight[s] += 1
-                    kept[s] += held
+                    inflight[r] += 1
+                    kept[r] += held
                 elif action.kind == "I":
                     # I rebuilt a re-materialized micro-batch's graph; W needs it.
-                    kept[s] += _kept_bytes(s, False, activation_bytes, input_bytes) - held
+                    kept[r] += _kept_bytes(s, False, activation_bytes, input_bytes) - held
                 else:  # B or W: the micro-batch's state is freed
-                    inflight[s] -= 1
-                    kept[s] -= _kept_bytes(s, action.kind == "B" and rematerialized,
+                    inflight[r] -= 1
+                    kept[r] -= _kept_bytes(s, action.kind == "B" and rematerialized,
                                            activation_bytes, input_bytes)
-                peak_inflight[s] = max(peak_inflight[s], inflight[s])
-                peak_bytes[s] = max(peak_bytes[s], kept[s])
-                cursor[s] += 1
+                peak_inflight[r] = max(peak_inflight[r], inflight[r])
+                peak_bytes[r] = max(peak_bytes[r], kept[r])
+                cursor[r] += 1
                 done += 1
                 progressed = True
         if not progressed:
@@ -132,7 +138,7 @@ def simulate(
             raise AssertionError("unreachable: a valid schedule always progresses")
     step_time = max(free)
     busy = sum(e.end - e.start for e in events)
-    bubble = 1.0 - busy / (step_time * k) if step_time > 0 else 0.0
+    bubble = 1.0 - busy / (step_time * ranks) if step_time > 0 else 0.0
     return Simulation(step_time, bubble, events, peak_inflight, peak_bytes)
 
 
