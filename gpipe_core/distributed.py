@@ -9,6 +9,11 @@ activations and gradients with its neighbours point to point::
     rank 0: [stage 0] --activations--> rank 1: [stage 1] --> ... --> rank K-1: [stage K-1] + loss
             [stage 0] <--gradients---- rank 1: [stage 1] <-- ... <-- rank K-1
 
+With virtual stages (``len(balance)`` a multiple of the group's size and a schedule that places
+several stages per rank: ``"interleaved_1f1b"``, ``"zb_v"``) a rank runs all of its stages'
+actions in its row of the schedule, in one process; state_dict keys, shards, meta-device
+construction and tied weights work as with one stage per rank.
+
 With a data-parallel group as well (pipeline x data parallel), gradients are averaged over the
 replicas of each stage after the pipeline's backward. If any rank fails, the others stop within
 ``timeout_s`` seconds with an error naming the rank and stage that failed first.
@@ -36,28 +41,30 @@ from .remat import CHECKPOINT_MODES, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState, TimelineEvent
 from .schedule import Schedule, get_schedule
 from .shards import load_shards, save_stage_checkpoint, shard_name
-from .stage import LossFn, Stage, StagePosition
+from .stage import LossFn, Stage
 from .storage import read_index, torch_load, verify_checkpoint
 from .tied import TiedWeight
-from .transport import DistributedTransport, PeerError
+from .transport import DistributedTransport, PeerError, policy_for
 
 __all__ = ["DistributedGPipe"]
 
 
-class DistributedGPipe(StepCounter, StagePosition, nn.Module):
-    """The local stage of a pipeline that spans the ranks of ``group``.
+class DistributedGPipe(StepCounter, nn.Module):
+    """The local stage (or stages) of a pipeline that spans the ranks of ``group``.
 
     Args:
         module: the whole network as ``nn.Sequential`` (on ``meta`` to save memory).
-        balance: layers per stage; ``len(balance)`` must equal the pipeline group's size.
+        balance: layers per stage; ``len(balance)`` equals the pipeline group's size, or a
+            multiple of it with a schedule of virtual stages (several stages per rank).
         chunks: micro-batches per step (M).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"``, ``"1f1b_slack1"`` (1F1B with one more
             forward ahead on every stage but the last: hides message latency for one more
             micro-batch's activations; see :func:`~gpipe_core.one_f_one_b`), ``"zb_h1"`` or
             ``"zb_h2"`` (zero-bubble: the backward split into I and W, W deferred into the
-            bubbles; see :func:`~gpipe_core.zb_h1`), or a factory
-            ``(num_stages, num_microbatches) -> Schedule``.
+            bubbles; see :func:`~gpipe_core.zb_h1`); with several stages per rank
+            ``"interleaved_1f1b"`` (stage s on rank s mod R) or ``"zb_v"`` (two stages per
+            rank in a V); or a factory ``(num_stages, num_microbatches) -> Schedule``.
         loss_fn: ``loss_fn(output_mb, target_mb) -> 0-dim tensor``, run on the last stage.
         loss_reduction: ``"mean"`` averages the micro-batch losses; ``"sum"`` adds them (then
             pass ``normalizer=`` to :meth:`step`, e.g. the number of target tokens).
@@ -108,60 +115,77 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
             raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' or 'sum'")
         self.group = group
         self.data_parallel_group = data_parallel_group
-        self.num_stages = dist.get_world_size(group)
-        self.stage_index = dist.get_rank(group)
-        self.stage_ranks = [self._global_rank(i) for i in range(self.num_stages)]
-        if len(balance) != self.num_stages:
+        self.num_ranks = dist.get_world_size(group)
+        self.pipeline_rank = dist.get_rank(group)
+        self.num_stages = len(balance)
+        if self.num_stages < self.num_ranks or self.num_stages % self.num_ranks:
             raise ValueError(
                 f"len(balance)={len(balance)} does not match the pipeline group's size "
-                f"{self.num_stages}; launch one process per partition (torchrun "
-                f"--nproc-per-node {len(balance)}) or change balance"
+                f"{self.num_ranks}; launch one process per partition (torchrun "
+                f"--nproc-per-node {len(balance)}) or change balance (a multiple of the group's "
+                "size runs several stages per rank with schedule='interleaved_1f1b' or 'zb_v')"
             )
+        self.schedule_name = schedule
+        # The rank of every stage (the schedule's placement); also checks the schedule fits.
+        self.placement = self.schedule(chunks).placement
+        self.stage_indices = tuple(
+            s for s, r in enumerate(self.placement) if r == self.pipeline_rank)
+        self.stage_ranks = [self._global_rank(r) for r in self.placement]
         # A parameter tied across the first and last stage is allowed; any other sharing isn't.
         partitions = split_module(module, balance, tie_first_last=tied is not None)
         self.balance = list(balance)
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.schedule_name = schedule
         self.loss_reduction = loss_reduction
         self.timeout_s = timeout_s
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.device = torch.device(device) if device is not None else default_device()
-        first_layer_index = sum(self.balance[: self.stage_index])
-        local = partitions[self.stage_index]
-        meta = any(is_meta(layer) for _, layer in local)
-        for offset, (name, layer) in enumerate(local):
-            if meta:
-                materialize_layer(
-                    layer, first_layer_index + offset, seed=self.seed, device=self.device,
-                    init_fn=init_fn,
-                )
-            else:
-                layer.to(self.device)
-            if deferred_batch_norm:
-                layer = DeferredBatchNorm.convert(layer)
-            self.add_module(name, layer)
-        self.stage = Stage(
-            list(self._modules.items()),  # type: ignore[arg-type]
-            stage_index=self.stage_index,
-            num_stages=self.num_stages,
-            first_layer_index=first_layer_index,
-            device=self.device,
-            checkpoint=checkpoint,
-            seed=self.seed,
-            loss_fn=loss_fn if self.is_last else None,
-            restore_rng=False,  # _run_step forks the random state once per step
-        )
-        self.transport = DistributedTransport(
-            self.stage_index, self.stage_ranks, self.device, timeout_s=timeout_s
-        )
-        self.runtime = StageRuntime(self.stage, self.transport, record=record)
+        policy = policy_for(dist.get_backend(group))
+        mailbox: dict[tuple[int, int], list[tuple[Any, float]]] = {}  # this rank's own stages
+        self.stages: list[Stage] = []
+        self.transports: list[DistributedTransport] = []
+        self.runtimes: list[StageRuntime] = []
+        for index in self.stage_indices:
+            first_layer_index = sum(self.balance[:index])
+            local = partitions[index]
+            meta = any(is_meta(layer) for _, layer in local)
+            names = []
+            for offset, (name, layer) in enumerate(local):
+                if meta:
+                    materialize_layer(
+                        layer, first_layer_index + offset, seed=self.seed, device=self.device,
+                        init_fn=init_fn,
+                    )
+                else:
+                    layer.to(self.device)
+                if deferred_batch_norm:
+                    layer = DeferredBatchNorm.convert(layer)
+                self.add_module(name, layer)
+                names.append(name)
+            stage = Stage(
+                [(name, self._modules[name]) for name in names],  # type: ignore[misc]
+                stage_index=index,
+                num_stages=self.num_stages,
+                first_layer_index=first_layer_index,
+                device=self.device,
+                checkpoint=checkpoint,
+                seed=self.seed,
+                loss_fn=loss_fn if index == self.num_stages - 1 else None,
+                restore_rng=False,  # _run_step forks the random state once per step
+            )
+            transport = DistributedTransport(index, self.stage_ranks, self.device, policy=policy,
+                                             timeout_s=timeout_s, local=mailbox)
+            self.stages.append(stage)
+            self.transports.append(transport)
+            self.runtimes.append(StageRuntime(stage, transport, record=record))
+        self._runtime_of = dict(zip(self.stage_indices, self.runtimes, strict=True))
+        # The first of this rank's stages (the only one without virtual stages).
+        self.stage, self.transport, self.runtime = self.stages[0], self.transports[0], self.runtimes[0]
         self._step = 0
         self._evaluations = 0
-        tied_param = TiedWeight.resolve(dict(self.named_parameters()), tied,
-                                        stage_index=self.stage_index, num_stages=self.num_stages)
-        self._tied = (None if tied_param is None else TiedWeight(
-            tied_param, self.transport, stage_index=self.stage_index, num_stages=self.num_stages))
+        self._tied = TiedWeight.resolve(dict(self.named_parameters(remove_duplicate=False)), tied,
+                                        self.transport, stages=self.stage_indices,
+                                        num_stages=self.num_stages)
         if self._tied is not None:
             self._tied.sync()
 
@@ -175,12 +199,36 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())  # type: ignore[arg-type]
 
+    @property
+    def stage_index(self) -> int:
+        """The stage this rank runs (with virtual stages: see ``stage_indices``)."""
+        if len(self.stage_indices) != 1:
+            raise RuntimeError(f"rank {self.pipeline_rank} of the pipeline runs stages "
+                               f"{list(self.stage_indices)}; use stage_indices")
+        return self.stage_indices[0]
+
+    @property
+    def is_first(self) -> bool:
+        """This rank runs the first stage (it reads the inputs)."""
+        return 0 in self.stage_indices
+
+    @property
+    def is_last(self) -> bool:
+        """This rank runs the last stage (it reads the targets and computes the loss)."""
+        return self.num_stages - 1 in self.stage_indices
+
     def schedule(self, num_microbatches: int) -> Schedule:
         name = self.schedule_name
-        if callable(name):
-            return get_schedule(name(self.num_stages, num_microbatches), self.num_stages,
-                                num_microbatches)
-        return get_schedule(name, self.num_stages, num_microbatches)
+        chosen = name(self.num_stages, num_microbatches) if callable(name) else name
+        schedule = get_schedule(chosen, self.num_stages, num_microbatches,
+                                num_ranks=self.num_ranks)
+        built = getattr(self, "placement", None)  # None while __init__ asks the first time
+        if built is not None and schedule.placement != built:
+            raise ValueError(f"schedule {schedule.name!r} places stages on ranks "
+                             f"{list(schedule.placement)} for {num_microbatches} micro-batches, "
+                             "unlike the pipeline was built with; a schedule factory must keep "
+                             "the placement for every micro-batch count")
+        return schedule
 
     # -- one training step -----------------------------------------------------------------
 
@@ -232,7 +280,9 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
 
 
     def _where(self) -> str:
-        return f"rank {dist.get_rank()} (stage {self.stage_index})"
+        stages = self.stage_indices
+        what = f"stage {stages[0]}" if len(stages) == 1 else f"stages {list(stages)}"
+        return f"rank {dist.get_rank()} ({what})"
 
     def _run_step(self, inputs: Any, targets: Any, normalizer: float | None, train: bool,
                   keep_outputs: bool) -> tuple[Tensor, Any]:
@@ -249,7 +299,8 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
                 raise ValueError("the first stage needs inputs: pipe.step(inputs, targets)")
             state.inputs = [_to_device(mb, self.device) for mb in scatter(inputs, self.chunks)]
             state.num_microbatches = len(state.inputs)
-        self.runtime.begin_step(state)  # other stages learn the micro-batch count here
+        for runtime in self.runtimes:  # a rank without the first stage learns the count here
+            runtime.begin_step(state)
         num_microbatches = state.num_microbatches
         if self.is_last:
             if targets is None:
@@ -262,28 +313,33 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
                     f"(got {batch_size(targets)})"
                 )
         if normalizer is not None:
-            self.stage.loss_scale = 1.0 / float(normalizer)
+            loss_scale: float | None = 1.0 / float(normalizer)
         elif self.loss_reduction == "mean":
-            self.stage.loss_scale = 1.0 / num_microbatches
+            loss_scale = 1.0 / num_microbatches
         else:
-            self.stage.loss_scale = None
-        actions = self.schedule(num_microbatches).actions[self.stage_index]
+            loss_scale = None
+        for stage in self.stages:
+            stage.loss_scale = loss_scale
+        actions = self.schedule(num_microbatches).actions[self.pipeline_rank]
         if not train:
             actions = tuple(a for a in actions if a.kind == "F")
         with fork_rng([self.device]):  # layers draw from their own seeded streams
-            self.runtime.run(actions, state)
-        carried = self.runtime.finish_step()
+            for action in actions:
+                self._runtime_of[action.stage].run_action(action, state)
+        # Every stage but the last received the loss with its last gradient message.
+        carried = [runtime.finish_step() for runtime in self.runtimes][0]
         outputs = None
         loss: Tensor
         if self.is_last:
-            loss = self.stage.step_loss(step)  # type: ignore[assignment]  # has a loss_fn
+            loss = self.stages[-1].step_loss(step)  # type: ignore[assignment]  # has a loss_fn
             if keep_outputs:
                 outputs = gather([state.outputs[mb] for mb in range(num_microbatches)])
         elif train:  # the step's last gradient message brought the loss
             loss = torch.tensor(carried, dtype=torch.float64, device=self.device)
         else:
             loss = torch.zeros((), device=self.device, dtype=torch.float64)
-        self.stage.discard(step)
+        for stage in self.stages:
+            stage.discard(step)
         try:
             if not train:
                 dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
@@ -301,14 +357,17 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
         tied = self._tied
         return clip_grad_norm(
             list(self.parameters()), max_norm, norm_type, group=self.group, device=self.device,
-            counted_elsewhere=tied.param if tied is not None and not self.is_first else None,
+            counted_elsewhere=tied.second_copy if tied is not None else None,
         )
 
     # -- timeline --------------------------------------------------------------------------
 
     @property
     def timeline(self) -> list[TimelineEvent]:
-        return self.runtime.timeline
+        """This rank's actions as they ran (over all of its stages), in time order."""
+        if len(self.runtimes) == 1:
+            return self.runtime.timeline
+        return sorted((e for r in self.runtimes for e in r.timeline), key=lambda e: e.start)
 
     def trace(self, json_path: str | Path, png_path: str | Path | None = None) -> None:
         """Gather every stage's timeline on the first rank; write Chrome-trace JSON and a PNG.
@@ -317,7 +376,7 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
         """
         from .trace import gather_timelines, write_chrome_trace, write_timeline_png
 
-        merged = gather_timelines(self.runtime.timeline, group=self.group)
+        merged = gather_timelines(self.timeline, group=self.group)
         if self.is_first:
             write_chrome_trace(merged, json_path)
             if png_path is not None:
@@ -326,8 +385,8 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
     # -- checkpoints -----------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str | Path, *, files: dict[str, Any] | None = None) -> None:
-        """Write this stage's shard into the checkpoint folder ``directory``; keys are the
-        original module's names (see :func:`~gpipe_core.load_shards`).
+        """Write this rank's shard (its stages' layers) into the checkpoint folder
+        ``directory``; keys are the original module's names (see :func:`~gpipe_core.load_shards`).
 
         Collective over the world. Only the first data-parallel replica writes shards; every
         rank also writes its own ``files`` (name -> bytes, text, or an object for torch.save).
@@ -337,20 +396,22 @@ class DistributedGPipe(StepCounter, StagePosition, nn.Module):
         """
         replica = dist.get_rank(self.data_parallel_group) if self.data_parallel_group else 0
         save_stage_checkpoint(self.state_dict() if replica == 0 else None, Path(directory),
-                              shard=self.stage_index, num_shards=self.num_stages, files=files)
+                              shard=self.pipeline_rank, num_shards=self.num_ranks, files=files)
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Load this stage's parameters from a checkpoint written with any number of stages.
+        """Load this rank's parameters from a checkpoint written with any number of stages and
+        any placement.
 
-        A checkpoint written with this pipeline's number of stages is read from this stage's
-        own shard only, when that shard holds every key of the stage (the same balance), so no
-        rank reads the whole model; otherwise the shards are merged and filtered.
+        A checkpoint written with this pipeline's number of ranks is read from this rank's own
+        shard only, when that shard holds every key of the rank (the same balance and
+        placement), so no rank reads the whole model; otherwise the shards are merged and
+        filtered.
         """
         keys = set(self.state_dict())
         directory = Path(directory)
         state: dict[str, Tensor] | None = None
-        if int(read_index(directory)["num_shards"]) == self.num_stages:
-            name = shard_name(self.stage_index, self.num_stages)
+        if int(read_index(directory)["num_shards"]) == self.num_ranks:
+            name = shard_name(self.pipeline_rank, self.num_ranks)
             verify_checkpoint(directory, [name])
             own = torch_load(directory / name, weights_only=True)
             if keys <= set(own):

@@ -26,6 +26,11 @@ posted; a send that comes first is parked, and the sender's I/O thread must wake
 core busy with the sender's compute) to write it when the receive is announced.
 NCCL ignores tags and matches messages in order, so there receives are posted when needed.
 
+Virtual stages: a rank may run several stages, each with its own transport. Each boundary
+between stage s and s+1 has its own tag (gloo), so messages of two boundaries between the same
+two ranks cannot be confused; a boundary inside one rank (the turn of a V-shaped placement)
+passes messages through an in-process mailbox (``local``) instead.
+
 The per-step protocol is part of the interface and driven by the runtime
 (:class:`~gpipe_core.runtime.StageRuntime`): :meth:`Transport.recv_step` (a stage after the
 first learns the step's micro-batch count from its first activation: the step number and count
@@ -225,7 +230,8 @@ def policy_for(backend: str) -> P2PPolicy:
     return GlooPolicy() if backend == "gloo" else P2PPolicy()
 
 
-# Tags (gloo): control messages (tied weights); activations and gradients.
+# Tags (gloo): control messages (tied weights); activations and gradients across the boundary
+# between stage s and s+1 use _TAG_DATA + s.
 _TAG_CONTROL, _TAG_DATA = 0, 1
 
 
@@ -245,6 +251,8 @@ class DistributedTransport(Transport):
     Every message carries its step number and the step's micro-batch count, so a stage learns
     both from its first activation (:meth:`recv_step`) instead of a header message of its own.
     ``policy``: the backend's :class:`P2PPolicy` (default: that of the default group).
+    ``stage_ranks[s]``: the rank running stage s; a neighbour on this process's own rank
+    exchanges messages through ``local`` (one mailbox shared by the rank's transports).
     """
 
     def __init__(
@@ -255,9 +263,11 @@ class DistributedTransport(Transport):
         *,
         policy: P2PPolicy | None = None,
         timeout_s: float = 60.0,
+        local: dict[tuple[int, int], list[tuple[Any, float]]] | None = None,
     ) -> None:
         self.stage_index = stage_index
         self.stage_ranks = list(stage_ranks)
+        self.local = local if local is not None else {}
         self.device = device
         self.policy = policy if policy is not None else policy_for(dist.get_backend())
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -292,7 +302,7 @@ class DistributedTransport(Transport):
         if backward:
             expected[self.stage_index + 1] = num_microbatches
         for stage, count in expected.items():
-            if not 0 <= stage <= last:
+            if not 0 <= stage <= last or self._is_local(stage):
                 continue
             channel = self._recv_channels.setdefault(stage, _Channel())
             channel.remaining = count
@@ -316,6 +326,13 @@ class DistributedTransport(Transport):
 
     def carried(self) -> float:
         return self._carried
+
+    def _is_local(self, stage: int) -> bool:
+        return self.stage_ranks[stage] == self.stage_ranks[self.stage_index]
+
+    def _tag(self, stage: int) -> int:
+        """The tag of the boundary between this stage and its neighbour ``stage``."""
+        return _TAG_DATA + min(stage, self.stage_index)
 
     def finish(self) -> None:
         pending, self._pending = self._pending, []
@@ -372,7 +389,7 @@ class DistributedTransport(Transport):
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         rank = self.stage_ranks[stage]
         try:
-            work = self.policy.call(dist.irecv, buffer, rank, _TAG_DATA)
+            work = self.policy.call(dist.irecv, buffer, rank, self._tag(stage))
         except RuntimeError as exc:
             raise PeerError(rank, stage, f"receive failed ({exc})") from exc
         return work, buffer
@@ -387,6 +404,9 @@ class DistributedTransport(Transport):
         return buffer
 
     def _send(self, stage: int, payload: Any, carry: float) -> None:
+        if self._is_local(stage):  # the neighbour runs on this rank: no message
+            self.local.setdefault((self.stage_index, stage), []).append((payload, carry))
+            return
         channel = self._send_channels.setdefault(stage, _Channel())
         buffer, channel.skeleton = wire.pack(
             payload, step=self._step, num_microbatches=self._num_microbatches,
@@ -396,11 +416,23 @@ class DistributedTransport(Transport):
         if size != channel.predicted:  # announce the new size in a message of the old one
             self._isend(wire.pack_resize(channel.predicted, size, step=self._step,
                                          num_microbatches=self._num_microbatches,
-                                         device=self.device), stage, _TAG_DATA)
+                                         device=self.device), stage, self._tag(stage))
             channel.predicted = size
-        self._isend(buffer, stage, _TAG_DATA)
+        self._isend(buffer, stage, self._tag(stage))
 
     def _recv(self, stage: int) -> Any:
+        if self._is_local(stage):
+            queue = self.local.get((stage, self.stage_index))
+            if not queue:
+                raise RuntimeError(
+                    f"stage {self.stage_index} waits for a message from stage {stage} on the "
+                    "same rank that was not sent yet; the schedule runs an action before its "
+                    "dependency"
+                )
+            payload, carry = queue.pop(0)
+            if not math.isnan(carry):
+                self._carried = carry
+            return payload
         payload, header = self._recv_message(stage, self._step)
         if not math.isnan(header.carry):
             self._carried = header.carry
