@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpipe_core import schedule as gp_schedule
 from gpipe_core.schedule import (
     Action,
     Schedule,
@@ -270,3 +271,103 @@ def test_w_waits_only_for_its_own_stage() -> None:
     assert [sorted(str(a) for a in tick) for tick in steps] == [
         ["0F0"], ["1F0"], ["1I0"], ["0I0", "1W0"], ["0W0"]
     ]
+
+
+# -- virtual stages: several stages per rank ------------------------------------------------
+
+
+def test_interleaved_1f1b_actions_derived_by_hand() -> None:
+    # K=2 ranks, V=2 (stage s on rank s mod 2), M=4 in rounds of 2: rank 0 runs forwards
+    # 0F0 0F1 2F0 2F1 | 0F2 0F3 2F2 2F3 and backwards in reverse chunk order; it warms up with
+    # 2(K-1-r) + (V-1)P = 4 forwards, then alternates F and B.
+    schedule = gp_schedule.interleaved_1f1b(4, 4, num_ranks=2)
+    assert str(schedule) == (
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3\n"
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
+    )
+    assert schedule.placement == (0, 1, 0, 1) and schedule.virtual
+    assert schedule.stages_on(1) == [1, 3]
+    assert Schedule.from_text(str(schedule), name="interleaved_1f1b") == schedule
+    assert draw(schedule).splitlines()[1].startswith("rank  0  0F0  0F1  2F0  2F1")
+
+
+def test_zb_v_actions_on_one_rank_follow_the_stated_rule() -> None:
+    # One rank holding both stages (0 and 1), at most 2 micro-batches held (between F and W):
+    # after 0F0 1F0 it must finish a W before the next forward (1W0, the older I), and after
+    # 0F1 again (0W0); I always goes first, the later stage's first.
+    schedule = gp_schedule.zb_v(2, 2)
+    assert str(schedule) == "0F0 1F0 1I0 0I0 1W0 0F1 0W0 1F1 1I1 0I1 1W1 0W1"
+    assert gp_schedule.zb_v(4, 3).placement == (0, 1, 1, 0)  # a V: the turn on rank 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16])
+def test_interleaved_1f1b_validates_with_its_memory_bound(k: int, v: int, m: int) -> None:
+    schedule = gp_schedule.interleaved_1f1b(k * v, m, num_ranks=k)
+    steps = schedule.clock()
+    assert sum(len(t) for t in steps) == 2 * k * v * m
+    rounds = max(1, m // k)
+    first_round = m // rounds + (1 if m % rounds else 0)
+    assert schedule.peak_held() == [min(2 * (k - 1 - r) + (v - 1) * first_round + 1, m * v)
+                                    for r in range(k)]
+    assert not schedule.splits_backward
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)])
+def test_interleaving_shrinks_the_bubble(k: int, m: int) -> None:
+    # Unit time, a chunk's F = B = 1: 1F1B on K stages of V chunks each idles 2V(K-1) units per
+    # rank; interleaved 1F1B about 2(K-1) (plus a little where rounds do not fill the pipe).
+    for v in (2, 4):
+        steps = len(gp_schedule.interleaved_1f1b(k * v, m, num_ranks=k).clock())
+        plain = v * len(one_f_one_b(k, m).clock())
+        assert steps < plain
+        assert steps - 2 * m * v <= 2 * (k - 1) + 2, (v, steps)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_zb_v_validates_with_1f1b_memory_and_almost_no_bubble(k: int, m: int) -> None:
+    schedule = gp_schedule.zb_v(2 * k, m)
+    steps = schedule.clock()
+    assert sum(len(t) for t in steps) == 6 * k * m
+    assert schedule.splits_backward
+    # At most 2K chunk micro-batches (K whole ones: 1F1B's first stage), 2M when M < K.
+    assert schedule.peak_held() == [min(2 * k, 2 * m)] * k
+    if m >= 2 * k:  # 6M units of work per rank; 1F1B over the same layers idles 6(K-1)
+        assert len(steps) - 6 * m in (k - 1, k), len(steps)
+
+
+def test_get_schedule_places_virtual_stages() -> None:
+    assert get_schedule("interleaved_1f1b", 6, 4, num_ranks=3).placement == (0, 1, 2, 0, 1, 2)
+    assert get_schedule("zb_v", 6, 4, num_ranks=3).placement == (0, 1, 2, 2, 1, 0)
+    with pytest.raises(ValueError, match="runs one stage per rank.*interleaved_1f1b"):
+        get_schedule("1f1b", 4, 4, num_ranks=2)
+    with pytest.raises(ValueError, match="two stages per rank"):
+        get_schedule("zb_v", 6, 4, num_ranks=2)
+    with pytest.raises(ValueError, match="multiple of num_ranks"):
+        get_schedule("interleaved_1f1b", 5, 4, num_ranks=2)
+    with pytest.raises(ScheduleError, match="on 2 ranks"):
+        get_schedule(gp_schedule.zb_v(4, 4), 4, 4)
+
+
+def test_validator_catches_an_action_on_the_wrong_rank() -> None:
+    good = gp_schedule.interleaved_1f1b(4, 2, num_ranks=2)
+    rows = [list(row) for row in good.actions]
+    rows[0][0], rows[1][0] = rows[1][0], rows[0][0]  # 1F0 now on rank 0's row, 0F0 on rank 1's
+    broken = Schedule("broken", 4, 2, tuple(map(tuple, rows)), good.placement)
+    with pytest.raises(ScheduleError, match="does not run"):
+        validate(broken)
+    with pytest.raises(ScheduleError, match="more than one rank"):
+        Schedule.from_text("0F0 1F0 1B0 0B0\n1F1 0F1 1B1 0B1")
+
+
+def test_validator_catches_a_cross_rank_deadlock_with_virtual_stages() -> None:
+    # Rank 1 (stages 1, 3) runs 1B0 before 3F0: 1B0 needs 2B0 on rank 0, which needs 3B0.
+    broken = Schedule.from_text("0F0 2F0 2B0 0B0\n1F0 1B0 3F0 3B0")
+    assert broken.placement == (0, 1, 0, 1)
+    with pytest.raises(ScheduleError) as info:
+        validate(broken)
+    message = str(info.value)
+    assert "deadlocks at step 3" in message and "every rank waits" in message
+    assert "2B0!" in message and "1B0!" in message
