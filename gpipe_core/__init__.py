@@ -9,7 +9,17 @@ from .groups import init_process_groups
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import Plan, plan
-from .schedule import Action, Schedule, ScheduleError, gpipe, one_f_one_b, zb_h1, zb_h2
+from .schedule import (
+    Action,
+    Schedule,
+    ScheduleError,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zb_h1,
+    zb_h2,
+    zb_v,
+)
 from .shards import load_shards, save_shards
 from .simulate import Simulation, simulate
 from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
@@ -45,5 +55,7 @@ __all__ = [
     "one_f_one_b",
     "zb_h1",
     "zb_h2",
+    "interleaved_1f1b",
+    "zb_v",
 ]
 __version__ = "0.1.0"
