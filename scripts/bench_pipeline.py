@@ -7,12 +7,15 @@ memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's def
 4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
 micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, 1F1B with one forward
-of slack, and the zero-bubble ZB-H1 and ZB-H2, whose backward runs as I and W) and
-``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``). For each
-row: median seconds per training step, speedup over the plain run, efficiency against the
-ideal pipeline (the plain module run on the same M micro-batches, divided by K*M/(M+K-1)), and
-each rank's peak resident memory during a step, with the part of it the step itself added.
-Writes JSON and a PNG of speedup against M.
+of slack, the zero-bubble ZB-H1 and ZB-H2, whose backward runs as I and W, and with two stages
+per rank interleaved 1F1B and ZB-V) and ``torch.distributed.pipelining`` (``ScheduleGPipe``,
+``Schedule1F1B``, and with two stages per rank ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``). For
+each row: median seconds per training step, speedup over the plain run, efficiency against
+GPipe's ideal pipeline (the plain module run on the same M micro-batches, divided by
+K*M/(M+K-1)) and against perfect parallelism (the same divided by K: zero-bubble schedules may
+beat GPipe's ideal, never this one), and each rank's peak resident memory during a step, with
+the part of it the step itself added. Writes JSON and a PNG of speedup against M.
 
     python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 15]
 """
@@ -38,9 +41,14 @@ from torch import Tensor, nn
 import gpipe_core as gp
 
 K = 2
+OURS = ("gpipe", "1f1b", "1f1b_slack1", "zb_h1", "zb_h2", "interleaved_1f1b", "zb_v")
+THEIRS = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipev")
 # Our schedules and the torch.distributed.pipelining schedule each is compared with.
 TORCH_COUNTERPART = {"gpipe": "gpipe", "1f1b": "1f1b", "1f1b_slack1": "1f1b", "zb_h1": "1f1b",
-                     "zb_h2": "1f1b"}
+                     "zb_h2": "1f1b", "interleaved_1f1b": "interleaved_1f1b", "zb_v": "zb_v"}
+# Schedules with two stages per rank: stage s on rank s mod K, or in a V (s and 2K-1-s).
+VIRTUAL = {"interleaved_1f1b": "interleaved", "interleaved_zb": "interleaved", "zb_v": "v",
+           "dualpipev": "v"}
 
 
 class Block(nn.Module):
@@ -143,7 +151,6 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
                             world_size=K, timeout=datetime.timedelta(seconds=120))
     x, y = data(args)
-    balance = [args.blocks // 2, args.blocks - args.blocks // 2]
     plain_model = build(args.blocks, args.width)
     rows = []
     for m in args.microbatches:
@@ -152,11 +159,12 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
         configs: dict[tuple[str, str], Any] = {}
         for schedule, fn in plain_steps(plain_model, x, y, m, rank).items():
             configs[("plain", schedule)] = fn
-        for impl, schedule in (("gpipe_core", "gpipe"), ("gpipe_core", "1f1b"),
-                               ("gpipe_core", "1f1b_slack1"), ("gpipe_core", "zb_h1"),
-                               ("gpipe_core", "zb_h2"),
-                               ("torch.pipelining", "gpipe"), ("torch.pipelining", "1f1b")):
+        for impl, schedule in ([("gpipe_core", s) for s in OURS]
+                               + [("torch.pipelining", s) for s in THEIRS]):
             model = build(args.blocks, args.width)
+            parts = 2 * K if schedule in VIRTUAL else K
+            balance = [args.blocks // parts + (1 if i < args.blocks % parts else 0)
+                       for i in range(parts)]
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint,
                              args.quiet_io)
             if step is not None:
@@ -196,23 +204,33 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
 
         return ours
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
 
-    start = sum(balance[:rank])
-    submodule = nn.Sequential(*list(model)[start : start + balance[rank]])
-    stage = PipelineStage(submodule, rank, K, torch.device("cpu"))
-    factory = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    factory = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+               "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+               "interleaved_zb": pipelining.ScheduleInterleavedZeroBubble,
+               "zb_v": pipelining.ScheduleZBVZeroBubble,
+               "dualpipev": pipelining.ScheduleDualPipeV}[schedule]
+    num_stages = len(balance)
+    placement = VIRTUAL.get(schedule)
+    indices = ([rank] if placement is None else [rank, rank + K] if placement == "interleaved"
+               else [rank, num_stages - 1 - rank])
+    layers = list(model)
+    submodules = [nn.Sequential(*layers[sum(balance[:i]) : sum(balance[: i + 1])])
+                  for i in indices]
+    stages = [pipelining.PipelineStage(sub, i, num_stages, torch.device("cpu"))
+              for sub, i in zip(submodules, indices, strict=True)]
+    first, last = 0 in indices, num_stages - 1 in indices
     try:
-        sched = factory(stage, n_microbatches=m, loss_fn=loss_fn)
+        sched = factory(stages if placement else stages[0], n_microbatches=m, loss_fn=loss_fn)
     except (ValueError, RuntimeError):
         return None  # e.g. 1F1B refusing fewer micro-batches than stages
 
     def theirs() -> None:
-        submodule.zero_grad(set_to_none=True)
-        if rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=[])
+        for sub in submodules:
+            sub.zero_grad(set_to_none=True)
+        sched.step(*((x,) if first else ()), target=y if last else None,
+                   losses=[] if last else None)
 
     return theirs
 
@@ -250,6 +268,7 @@ def main() -> None:
         ideal = plain[(m, "chunked")] * (m + K - 1) / (K * m)
         row["speedup"] = plain[(m, "whole")] / row["seconds"]
         row["efficiency"] = ideal / row["seconds"]
+        row["parallel_efficiency"] = plain[(m, "chunked")] / K / row["seconds"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"config": vars(args), "rows": rows}
@@ -258,13 +277,16 @@ def main() -> None:
     print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
           f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}; freed memory held: "
           f"{args.hold_memory}; gloo I/O thread quiet in our calls: {args.quiet_io}")
-    print(f"{'impl':<18}{'schedule':<9}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}"
+    print("eff.: against GPipe's ideal (plain on M micro-batches x (M+K-1)/(KM)); par.: against "
+          "perfect parallelism (plain on M micro-batches / K)")
+    print(f"{'impl':<18}{'schedule':<17}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}{'par.':>7}"
           f"{'peak RSS MB/rank':>18}{'step adds MB':>14}")
     for r in rows:
         peaks = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["peak_rss_mb_per_rank"])
         added = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["step_memory_mb_per_rank"])
-        print(f"{r['impl']:<18}{r['schedule']:<9}{r['M']:>3}{r['seconds']:>9.4f}"
-              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{peaks:>18}{added:>14}")
+        print(f"{r['impl']:<18}{r['schedule']:<17}{r['M']:>3}{r['seconds']:>9.4f}"
+              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{r['parallel_efficiency']:>7.0%}"
+              f"{peaks:>18}{added:>14}")
     for m in args.microbatches:
         ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
         theirs = {r["schedule"]: r["seconds"] for r in rows
@@ -272,6 +294,16 @@ def main() -> None:
         ratios = ", ".join(f"{s}: {theirs[TORCH_COUNTERPART[s]] / ours[s]:.2f}x" for s in ours
                            if TORCH_COUNTERPART[s] in theirs)
         print(f"M={m}: torch.pipelining time / gpipe_core time: {ratios}")
+        if ours and theirs:
+            best_ours = min(ours, key=ours.__getitem__)
+            best_theirs = min(theirs, key=theirs.__getitem__)
+            print(f"M={m}: fastest gpipe_core {best_ours} {ours[best_ours]:.4f} s, fastest "
+                  f"torch.pipelining {best_theirs} {theirs[best_theirs]:.4f} s: "
+                  f"{theirs[best_theirs] / ours[best_ours]:.2f}x"
+                  + ("; zero-bubble against our 1F1B: "
+                     + ", ".join(f"{s} {ours['1f1b'] / ours[s]:.2f}x"
+                                 for s in ("zb_h1", "zb_h2", "zb_v", "interleaved_1f1b")
+                                 if s in ours) if "1f1b" in ours else ""))
     plot(rows, out / "bench_pipeline.png")
     print(f"wrote {out}/bench_pipeline.json and bench_pipeline.png")
 
@@ -285,7 +317,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for impl in ("gpipe_core", "torch.pipelining"):
         for schedule, style in (("gpipe", "-o"), ("1f1b", "--s"), ("1f1b_slack1", "-.^"),
-                                ("zb_h1", ":v"), ("zb_h2", ":D")):
+                                ("zb_h1", ":v"), ("zb_h2", ":D"), ("interleaved_1f1b", "-x"),
+                                ("interleaved_zb", "-+"), ("zb_v", "-*"), ("dualpipev", "-p")):
             sel = [r for r in rows if r["impl"] == impl and r["schedule"] == schedule]
             if sel:
                 ax.plot([r["M"] for r in sel], [r["speedup"] for r in sel], style,

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "2",
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "4",
          "--width", "16", "--batch", "8", "--seq", "2", "--microbatches", "1", "2",
          "--steps", "2", "--warmup", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -28,15 +28,20 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
         for key in (("plain", "whole"), ("plain", "chunked"), ("gpipe_core", "gpipe"),
                     ("gpipe_core", "1f1b"), ("gpipe_core", "1f1b_slack1"),
                     ("gpipe_core", "zb_h1"), ("gpipe_core", "zb_h2"),
-                    ("torch.pipelining", "gpipe")):
+                    ("gpipe_core", "interleaved_1f1b"), ("gpipe_core", "zb_v"),
+                    ("torch.pipelining", "gpipe"), ("torch.pipelining", "interleaved_1f1b"),
+                    ("torch.pipelining", "zb_v")):
             row = rows[(*key, m)]
             assert row["seconds"] > 0 and len(row["samples"]) == 2
             assert row["efficiency"] > 0 and row["speedup"] > 0
+            assert row["parallel_efficiency"] == pytest.approx(
+                rows[("plain", "chunked", m)]["seconds"] / 2 / row["seconds"])
             assert len(row["peak_rss_mb_per_rank"]) == 2
     assert ("torch.pipelining", "1f1b", 1) not in rows  # Schedule1F1B needs M >= K
     assert ("torch.pipelining", "1f1b", 2) in rows
     assert (out / "bench_pipeline.png").stat().st_size > 0
     assert "torch.pipelining time / gpipe_core time" in result.stdout
+    assert "fastest gpipe_core" in result.stdout
 
 
 def test_bench_pipeline_rejects_zero_rounds() -> None:
