@@ -254,3 +254,56 @@ def run_wrong_balance(rank: int, world: int) -> str:
 def test_one_stage_per_rank_schedule_with_several_stages_says_what_to_do(tmp_path: Path) -> None:
     messages = spawn(run_wrong_balance, 2, tmp_path)
     assert all("runs one stage per rank" in m and "interleaved_1f1b" in m for m in messages)
+
+
+def build_batchnorm() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8),
+                         nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def bn_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    return (torch.randn(12, 4, generator=g, dtype=torch.float64),
+            torch.randn(12, 2, generator=g, dtype=torch.float64))
+
+
+def run_batchnorm(rank: int, world: int, schedule: str, balance: list[int]) -> Any:
+    pipe = gp.DistributedGPipe(build_batchnorm(), balance, chunks=3, loss_fn=loss_fn,
+                               schedule=schedule, checkpoint="except_last",
+                               deferred_batch_norm=True)
+    x, y = bn_batch()
+    for _ in range(2):  # gradients accumulate; running statistics are committed per step
+        loss = pipe.step(x, y)
+    return (float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()},
+            {k: b.clone() for k, b in pipe.named_buffers()})
+
+
+@pytest.mark.parametrize(("schedule", "balance"), [
+    ("zb_h1", [3, 4]), ("zb_h2", [3, 4]), ("interleaved_1f1b", [2, 2, 2, 1]),
+    ("zb_v", [2, 2, 2, 1]),
+])
+def test_micro_batch_batchnorm_with_split_and_virtual_schedules(
+    tmp_path: Path, schedule: str, balance: list[int]
+) -> None:
+    # The micro-batch rule (deferred BatchNorm): each micro-batch normalised by its own
+    # statistics, running statistics committed once per mini-batch; as single-process GPipe.
+    per_rank = spawn(run_batchnorm, 2, tmp_path, schedule, balance)
+    reference_pipe = gp.GPipe(build_batchnorm(), [3, 4], chunks=3, deferred_batch_norm=True,
+                              checkpoint="never")
+    x, y = bn_batch()
+    for _ in range(2):
+        out = reference_pipe(x)
+        loss = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(3), y.tensor_split(3),
+                                                   strict=True)) / 3
+        loss.backward()
+    params = dict(reference_pipe.named_parameters())
+    buffers = dict(reference_pipe.named_buffers())
+    for got_loss, grads, got_buffers in per_rank:
+        assert got_loss == pytest.approx(float(loss), abs=TOL)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, params[name].grad, rtol=0, atol=TOL)
+        for name, value in got_buffers.items():
+            torch.testing.assert_close(value, buffers[name], rtol=0, atol=TOL)
+    assert sum(len(b) for _, _, b in per_rank) == len(buffers)
