@@ -377,10 +377,12 @@ class DistributedGPipe(StepCounter, nn.Module):
         from .trace import gather_timelines, write_chrome_trace, write_timeline_png
 
         merged = gather_timelines(self.timeline, group=self.group)
-        if self.is_first:
-            write_chrome_trace(merged, json_path)
+        if self.pipeline_rank == 0:
+            placement = self.placement if self.num_stages != self.num_ranks else None
+            write_chrome_trace(merged, json_path, placement=placement)
             if png_path is not None:
-                write_timeline_png(merged, png_path, num_stages=self.num_stages)
+                write_timeline_png(merged, png_path, num_stages=self.num_stages,
+                                   placement=placement)
 
     # -- checkpoints -----------------------------------------------------------------------
 

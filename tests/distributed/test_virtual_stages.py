@@ -307,3 +307,27 @@ def test_micro_batch_batchnorm_with_split_and_virtual_schedules(
         for name, value in got_buffers.items():
             torch.testing.assert_close(value, buffers[name], rtol=0, atol=TOL)
     assert sum(len(b) for _, _, b in per_rank) == len(buffers)
+
+
+def run_trace_virtual(rank: int, world: int, root: str) -> Any:
+    pipe = gp.DistributedGPipe(build(), [2, 2, 2, 2], chunks=4, loss_fn=loss_fn,
+                               schedule="zb_v", record=True)
+    (x, mask), y = make_batch(0)
+    pipe.step((x, mask), y)
+    pipe.trace(f"{root}/timeline.json", f"{root}/timeline.png")
+    return [e.action for e in pipe.timeline]
+
+
+def test_timeline_of_virtual_stages_has_a_row_per_rank(tmp_path: Path) -> None:
+    import json
+
+    per_rank = spawn(run_trace_virtual, 2, tmp_path, str(tmp_path))
+    schedule = gp.zb_v(4, 4)
+    for rank, actions in enumerate(per_rank):  # each rank ran its row, in order
+        assert actions == [str(a) for a in schedule.actions[rank]]
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {0: "rank 0 (stages 0, 3)", 1: "rank 1 (stages 1, 2)"}
+    rows = {(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert rows == {(schedule.placement[a.stage], str(a)) for row in schedule.actions for a in row}
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
