@@ -39,7 +39,7 @@ from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import split_module, verify_module
 from .remat import CHECKPOINT_MODES, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState, TimelineEvent
-from .schedule import Schedule, get_schedule
+from .schedule import Schedule, check_in_order_matching, get_schedule
 from .shards import load_shards, save_stage_checkpoint, shard_name
 from .stage import LossFn, Stage
 from .storage import read_index, torch_load, verify_checkpoint
@@ -126,6 +126,7 @@ class DistributedGPipe(StepCounter, nn.Module):
                 "size runs several stages per rank with schedule='interleaved_1f1b' or 'zb_v')"
             )
         self.schedule_name = schedule
+        self._policy = policy_for(dist.get_backend(group))
         # The rank of every stage (the schedule's placement); also checks the schedule fits.
         self.placement = self.schedule(chunks).placement
         self.stage_indices = tuple(
@@ -140,7 +141,7 @@ class DistributedGPipe(StepCounter, nn.Module):
         self.timeout_s = timeout_s
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.device = torch.device(device) if device is not None else default_device()
-        policy = policy_for(dist.get_backend(group))
+        policy = self._policy
         mailbox: dict[tuple[int, int], list[tuple[Any, float]]] = {}  # this rank's own stages
         self.stages: list[Stage] = []
         self.transports: list[DistributedTransport] = []
@@ -222,6 +223,8 @@ class DistributedGPipe(StepCounter, nn.Module):
         chosen = name(self.num_stages, num_microbatches) if callable(name) else name
         schedule = get_schedule(chosen, self.num_stages, num_microbatches,
                                 num_ranks=self.num_ranks)
+        if schedule.virtual and not self._policy.tags:
+            check_in_order_matching(schedule)
         built = getattr(self, "placement", None)  # None while __init__ asks the first time
         if built is not None and schedule.placement != built:
             raise ValueError(f"schedule {schedule.name!r} places stages on ranks "

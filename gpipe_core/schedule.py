@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "zb_h1", "zb_h2",
-           "interleaved_1f1b", "zb_v", "get_schedule", "SCHEDULE_NAMES"]
+           "interleaved_1f1b", "zb_v", "get_schedule", "SCHEDULE_NAMES",
+           "check_in_order_matching"]
 
 Kind = Literal["F", "B", "I", "W"]
 BACKWARD_KINDS = ("B", "I", "W")
@@ -301,6 +302,41 @@ def validate_structure(schedule: Schedule) -> None:
                     f"stages {stage} and {stage + 1} run {label} on micro-batches in different "
                     f"orders ({here} vs {there}); messages between neighbours are matched in order"
                 )
+
+
+def check_in_order_matching(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless every rank receives the messages of every other
+    rank in the order that rank sends them: what a backend that ignores tags (NCCL) needs when
+    two boundaries between the same two ranks (virtual stages) share their connection. A rank
+    sends at its action (F: the activation on; B or I: the gradient back) and receives when an
+    action needs the message."""
+    placement, last = schedule.placement, schedule.num_stages - 1
+    sent: dict[tuple[int, int], list[str]] = {}
+    received: dict[tuple[int, int], list[str]] = {}
+    for rank, row in enumerate(schedule.actions):
+        for a in row:
+            if a.kind == "W":  # nothing to send or receive
+                continue
+            s = a.stage
+            before, after = (s - 1, s + 1) if a.kind == "F" else (s + 1, s - 1)
+            if 0 <= before <= last and placement[before] != rank:
+                message = f"{'activation' if a.kind == 'F' else 'gradient'} {before}->{s} of {a.mb}"
+                received.setdefault((placement[before], rank), []).append(message)
+            if 0 <= after <= last and placement[after] != rank:
+                message = f"{'activation' if a.kind == 'F' else 'gradient'} {s}->{after} of {a.mb}"
+                sent.setdefault((rank, placement[after]), []).append(message)
+    for pair in sorted(set(sent) | set(received)):
+        out, into = sent.get(pair, []), received.get(pair, [])
+        if out != into:
+            first = next(i for i, (x, y) in enumerate(zip(out + [""], into + [""], strict=False))
+                         if x != y)
+            raise ScheduleError(
+                f"schedule {schedule.name!r}: rank {pair[0]} sends rank {pair[1]} message "
+                f"{first} as {out[first] if first < len(out) else 'nothing'!r}, but rank "
+                f"{pair[1]} expects {into[first] if first < len(into) else 'nothing'!r}; a "
+                "backend that matches messages in order (NCCL) needs the same order on both "
+                "sides: use gloo, or a schedule with one stage per rank"
+            )
 
 
 def validate(schedule: Schedule) -> None:

@@ -371,3 +371,15 @@ def test_validator_catches_a_cross_rank_deadlock_with_virtual_stages() -> None:
     message = str(info.value)
     assert "deadlocks at step 3" in message and "every rank waits" in message
     assert "2B0!" in message and "1B0!" in message
+
+
+def test_in_order_matching_is_checked_for_backends_without_tags() -> None:
+    # One stage per rank: each boundary has its own pair of ranks, always in order.
+    for k, m in ((2, 4), (4, 8)):
+        gp_schedule.check_in_order_matching(one_f_one_b(k, m))
+        gp_schedule.check_in_order_matching(zb_h2(k, m))
+    gp_schedule.check_in_order_matching(gp_schedule.interleaved_1f1b(8, 8, num_ranks=4))
+    # ZB-V at M=4 on 2 ranks: rank 0 sends 0's activations and 3's gradients to rank 1 in
+    # another order than rank 1's actions need them (fine with gloo's tags, not with NCCL).
+    with pytest.raises(ScheduleError, match=r"rank 0 sends rank 1 message \d+ as .*NCCL"):
+        gp_schedule.check_in_order_matching(gp_schedule.zb_v(4, 4))
