@@ -15,7 +15,8 @@ each row: median seconds per training step, speedup over the plain run, efficien
 GPipe's ideal pipeline (the plain module run on the same M micro-batches, divided by
 K*M/(M+K-1)) and against perfect parallelism (the same divided by K: zero-bubble schedules may
 beat GPipe's ideal, never this one), and each rank's peak resident memory during a step, with
-the part of it the step itself added. Writes JSON and a PNG of speedup against M.
+the part of it the step itself added, and the peak of the step's live tensors (exact, unlike
+resident memory). Writes JSON and a PNG of speedup against M.
 
     python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 15]
 """
@@ -39,6 +40,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import gpipe_core as gp
+from scripts.reproduction import LiveTensorBytes
 
 K = 2
 OURS = ("gpipe", "1f1b", "1f1b_slack1", "zb_h1", "zb_h2", "interleaved_1f1b", "zb_v")
@@ -124,6 +126,15 @@ def step_memory_mb(fn: Any) -> tuple[float | None, float | None]:
     return peak, None if before is None or peak is None else peak - before
 
 
+def step_tensor_mb(fn: Any) -> float:
+    """Peak bytes of tensors one step holds at once (``LiveTensorBytes``: what the step adds,
+    activations kept for backward, gradients, messages; not the allocator's slack)."""
+    meter = LiveTensorBytes()
+    with meter:
+        timed_step(fn)
+    return meter.peak / 2**20
+
+
 def plain_steps(model: nn.Sequential, x: Tensor, y: Tensor, m: int, rank: int) -> dict[str, Any]:
     """The plain module in one process (rank 0; the other ranks wait): whole batch, M chunks."""
 
@@ -173,8 +184,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
         peaks: dict[tuple[str, str], tuple[float | None, float | None]] = {}
         for round_ in range(args.warmup + args.steps):
             for key, fn in configs.items():
-                if round_ == args.warmup - 1:  # a warm step, untimed
-                    peaks[key] = step_memory_mb(fn)
+                if round_ == args.warmup - 1:  # warm steps, untimed: memory
+                    peaks[key] = (*step_memory_mb(fn), step_tensor_mb(fn))
                     continue
                 seconds = timed_step(fn)
                 if round_ >= args.warmup:
@@ -184,8 +195,9 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             dist.all_gather_object(rank_peaks, peaks[(impl, schedule)])
             rows.append({"impl": impl, "schedule": schedule, "M": m,
                          "seconds": statistics.median(samples), "samples": samples,
-                         "peak_rss_mb_per_rank": [p for p, _ in rank_peaks],
-                         "step_memory_mb_per_rank": [d for _, d in rank_peaks]})
+                         "peak_rss_mb_per_rank": [p for p, _, _ in rank_peaks],
+                         "step_memory_mb_per_rank": [d for _, d, _ in rank_peaks],
+                         "peak_tensor_mb_per_rank": [t for _, _, t in rank_peaks]})
     if rank == 0:
         Path(root, "rows.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -280,13 +292,14 @@ def main() -> None:
     print("eff.: against GPipe's ideal (plain on M micro-batches x (M+K-1)/(KM)); par.: against "
           "perfect parallelism (plain on M micro-batches / K)")
     print(f"{'impl':<18}{'schedule':<17}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}{'par.':>7}"
-          f"{'peak RSS MB/rank':>18}{'step adds MB':>14}")
+          f"{'peak RSS MB/rank':>18}{'step adds MB':>14}{'tensors MB':>12}")
     for r in rows:
         peaks = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["peak_rss_mb_per_rank"])
         added = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["step_memory_mb_per_rank"])
+        tensors = "/".join(f"{p:.1f}" for p in r["peak_tensor_mb_per_rank"])
         print(f"{r['impl']:<18}{r['schedule']:<17}{r['M']:>3}{r['seconds']:>9.4f}"
               f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{r['parallel_efficiency']:>7.0%}"
-              f"{peaks:>18}{added:>14}")
+              f"{peaks:>18}{added:>14}{tensors:>12}")
     for m in args.microbatches:
         ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
         theirs = {r["schedule"]: r["seconds"] for r in rows

@@ -37,6 +37,7 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
             assert row["parallel_efficiency"] == pytest.approx(
                 rows[("plain", "chunked", m)]["seconds"] / 2 / row["seconds"])
             assert len(row["peak_rss_mb_per_rank"]) == 2
+            assert len(row["peak_tensor_mb_per_rank"]) == 2
     assert ("torch.pipelining", "1f1b", 1) not in rows  # Schedule1F1B needs M >= K
     assert ("torch.pipelining", "1f1b", 2) in rows
     assert (out / "bench_pipeline.png").stat().st_size > 0
