@@ -331,3 +331,33 @@ def test_timeline_of_virtual_stages_has_a_row_per_rank(tmp_path: Path) -> None:
     rows = {(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
     assert rows == {(schedule.placement[a.stage], str(a)) for row in schedule.actions for a in row}
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def run_held(rank: int, world: int, schedule: str, balance: list[int]) -> Any:
+    pipe = gp.DistributedGPipe(build(), balance, chunks=8, loss_fn=loss_fn, schedule=schedule,
+                               checkpoint="never")
+    held: list[int] = []
+    for runtime in pipe.runtimes:
+        run_action = runtime.run_action
+
+        def counted(action: Any, state: Any, run_action: Any = run_action) -> None:
+            run_action(action, state)
+            held.append(sum(stage.num_saved for stage in pipe.stages))
+
+        runtime.run_action = counted  # type: ignore[method-assign]
+    (x, mask), y = make_batch(0, n=16)
+    pipe.step((x, mask), y)
+    return max(held)
+
+
+@pytest.mark.parametrize(("schedule", "balance"), [
+    ("1f1b", [4, 4]), ("zb_h1", [4, 4]), ("zb_h2", [4, 4]),
+    ("interleaved_1f1b", [2, 2, 2, 2]), ("zb_v", [2, 2, 2, 2]),
+])
+def test_micro_batches_held_per_rank_match_the_schedules_bound(
+    tmp_path: Path, schedule: str, balance: list[int]
+) -> None:
+    # What a rank really keeps for backward (forward state until B or W, over its stages).
+    per_rank = spawn(run_held, 2, tmp_path, schedule, balance)
+    expected = gp.schedule.get_schedule(schedule, len(balance), 8, num_ranks=2).peak_held()
+    assert per_rank == expected
