@@ -14,6 +14,7 @@ from .schedule import (
     Schedule,
     ScheduleError,
     gpipe,
+    dualpipe_v,
     interleaved_1f1b,
     one_f_one_b,
     zb_h1,
@@ -57,5 +58,6 @@ __all__ = [
     "zb_h2",
     "interleaved_1f1b",
     "zb_v",
+    "dualpipe_v",
 ]
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ activations and gradients with its neighbours point to point::
             [stage 0] <--gradients---- rank 1: [stage 1] <-- ... <-- rank K-1
 
 With virtual stages (``len(balance)`` a multiple of the group's size and a schedule that places
-several stages per rank: ``"interleaved_1f1b"``, ``"zb_v"``) a rank runs all of its stages'
+several stages per rank: ``"interleaved_1f1b"``, ``"zb_v"``, ``"dualpipe_v"``) a rank runs all of its stages'
 actions in its row of the schedule, in one process; state_dict keys, shards, meta-device
 construction and tied weights work as with one stage per rank.
 
@@ -63,8 +63,9 @@ class DistributedGPipe(StepCounter, nn.Module):
             micro-batch's activations; see :func:`~gpipe_core.one_f_one_b`), ``"zb_h1"`` or
             ``"zb_h2"`` (zero-bubble: the backward split into I and W, W deferred into the
             bubbles; see :func:`~gpipe_core.zb_h1`); with several stages per rank
-            ``"interleaved_1f1b"`` (stage s on rank s mod R) or ``"zb_v"`` (two stages per
-            rank in a V); or a factory ``(num_stages, num_microbatches) -> Schedule``.
+            ``"interleaved_1f1b"`` (stage s on rank s mod R), ``"zb_v"`` or ``"dualpipe_v"``
+            (two stages per rank in a V); or a factory
+            ``(num_stages, num_microbatches) -> Schedule``.
         loss_fn: ``loss_fn(output_mb, target_mb) -> 0-dim tensor``, run on the last stage.
         loss_reduction: ``"mean"`` averages the micro-batch losses; ``"sum"`` adds them (then
             pass ``normalizer=`` to :meth:`step`, e.g. the number of target tokens).

@@ -78,7 +78,8 @@ def plan(
     the batch is split in M, used for that M instead of the whole-batch cost / M + overhead.
     ``schedule``: any name :func:`~gpipe_core.schedule.get_schedule` knows, or several (the
     plans of all of them compete; ``"all"``: every built-in one). ``"interleaved_1f1b"`` is
-    tried with each V of ``virtual_stages`` stages per device, ``"zb_v"`` with 2. For schedules
+    tried with each V of ``virtual_stages`` stages per device, ``"zb_v"`` and ``"dualpipe_v"``
+    with 2. For schedules
     that split the backward (``"zb_h1"``, ``"zb_h2"``, ``"zb_v"``), ``backward_weight`` gives
     each layer's part of ``backward`` spent on parameter gradients (W; the rest is I); without
     it, half.
@@ -90,7 +91,7 @@ def plan(
         names = [schedule] if isinstance(schedule, str) else list(schedule)
     layouts = [(name, v) for name in names
                for v in (virtual_stages if name == "interleaved_1f1b" else
-                         (2,) if name == "zb_v" else (1,))]
+                         (2,) if name in ("zb_v", "dualpipe_v") else (1,))]
     n = len(forward)
     microbatch_costs = dict(microbatch_costs or {})
     for m, (f, b) in microbatch_costs.items():
@@ -170,7 +171,10 @@ def _plans_for(
         acts = [per_stage(activation_bytes, a, b) / m for a, b in stages]
         inputs = [input_bytes[a] / m for a, _ in stages]
         params = [per_stage(param_bytes, a, b) for a, b in stages]
-        actions = get_schedule(name, num_stages, m, num_ranks=k)
+        try:
+            actions = get_schedule(name, num_stages, m, num_ranks=k)
+        except ValueError:  # this M does not suit the schedule (DualPipeV: M < 2K)
+            continue
         on_rank = [actions.stages_on(r) for r in range(k)]
         for checkpoint in ("never", "except_last", "always"):
             sim = simulate(actions, fwd, bwd, backward_weight=wgt, transfer=transfer,

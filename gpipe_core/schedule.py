@@ -28,8 +28,9 @@ Legend: K = num_stages, M = num_microbatches, s = stage index, m = micro-batch i
 Virtual stages: a rank may hold several stages (model chunks). A schedule then has one row per
 rank, each row the rank's actions over all of its stages in order, and a ``placement``: the rank
 of every stage. Interleaved 1F1B puts stage s on rank s mod R (``interleaved_1f1b``); ZB-V
-(``zb_v``) folds the pipeline into a V, stage s and stage 2R-1-s on rank s. Without virtual
-stages the placement is the identity and a row is a stage's.
+(``zb_v``, and DeepSeek's ``dualpipe_v`` on the same placement) folds the pipeline into a V,
+stage s and stage 2R-1-s on rank s. Without virtual stages the placement is the identity and a
+row is a stage's.
 """
 
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "zb_h1", "zb_h2",
-           "interleaved_1f1b", "zb_v", "get_schedule", "SCHEDULE_NAMES",
+           "interleaved_1f1b", "zb_v", "dualpipe_v", "get_schedule", "SCHEDULE_NAMES",
            "check_in_order_matching"]
 
 Kind = Literal["F", "B", "I", "W"]
@@ -583,17 +584,94 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("zb_v", n, m, tuple(tuple(row) for row in rows), placement)
 
 
+def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, and its DualPipe
+    repository): the V-shaped half of DualPipe, on ZB-V's placement (stage s and K-1-s on rank
+    s, R = K/2 ranks). Needs M >= 2R.
+
+    Rank r runs, with chunk 0 = stage r and chunk 1 = stage K-1-r: 2(R-1-r) forwards of chunk
+    0; r+1 pairs F0 F1; R-1-r rounds of I1 W1 F1; then the main phase, M-2R+r+1 rounds of
+    F0 B1 F1 B0 (in DualPipe each pair F0 B1 and F1 B0 runs overlapped, to hide expert-parallel
+    all-to-all behind computation; one thread per rank has nothing to overlap with, so here
+    they run one after the other); R-1-r rounds of B1 F1 B0; r+1 rounds of B1 B0, whose second
+    half splits the backward into I (W queued); R-1-r rounds of W I0; and the r+1 queued W's.
+    Its step takes about as long as ZB-V's, with one more chunk micro-batch held (2R+1).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if num_stages % 2:
+        raise ValueError(f"DualPipeV needs an even num_stages={num_stages}: two chunks per rank")
+    n, m = num_stages, num_microbatches
+    k = n // 2
+    if m < 2 * k:
+        raise ValueError(f"DualPipeV needs at least 2 x ranks = {2 * k} micro-batches, got {m}; "
+                         "use more chunks, or zb_v")
+    rows = []
+    for r in range(k):
+        chunk = (r, n - 1 - r)
+        next_f, next_b = [0, 0], [0, 0]
+        row: list[Action] = []
+        queued: list[tuple[int, int]] = []  # (stage, micro-batch) of I's whose W waits
+
+        def forward(c: int) -> None:
+            row.append(Action(chunk[c], "F", next_f[c]))
+            next_f[c] += 1
+
+        def backward(c: int, split: bool = False) -> None:
+            row.append(Action(chunk[c], "I" if split else "B", next_b[c]))
+            if split:
+                queued.append((chunk[c], next_b[c]))
+            next_b[c] += 1
+
+        def weight() -> None:
+            stage, mb = queued.pop(0)
+            row.append(Action(stage, "W", mb))
+
+        for _ in range(2 * (k - 1 - r)):
+            forward(0)
+        for _ in range(r + 1):
+            forward(0)
+            forward(1)
+        for _ in range(k - 1 - r):
+            backward(1, split=True)
+            weight()
+            forward(1)
+        for _ in range(m - 2 * k + r + 1):
+            forward(0)
+            backward(1)
+            forward(1)
+            backward(0)
+        for _ in range(k - 1 - r):
+            backward(1)
+            forward(1)
+            backward(0)
+        split = False
+        for i in range(r + 1):  # the second half splits (from chunk 1's or chunk 0's turn)
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            backward(1, split)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            backward(0, split)
+        for _ in range(k - 1 - r):
+            weight()
+            backward(0, split=True)
+        while queued:
+            weight()
+        rows.append(tuple(row))
+    placement = tuple(s if s < k else n - 1 - s for s in range(n))
+    return Schedule("dualpipe_v", n, m, tuple(rows), placement)
+
+
 _SLACK_RE = re.compile(r"^1f1b_slack(\d+)$")
 _SCHEDULES = {"gpipe": gpipe, "fill_drain": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b,
               "zb_h1": zb_h1, "zb_h2": zb_h2}
-_VIRTUAL = ("interleaved_1f1b", "zb_v")  # several stages per rank
+_VIRTUAL = ("interleaved_1f1b", "zb_v", "dualpipe_v")  # several stages per rank
 SCHEDULE_NAMES = (*sorted(_SCHEDULES), *_VIRTUAL, "1f1b_slackN")
 
 
 def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int, *,
                  num_ranks: int | None = None) -> Schedule:
     """Build a schedule by name (``"gpipe"``, ``"1f1b"``, ``"1f1b_slackN"``, ``"zb_h1"``,
-    ``"zb_h2"``, and with several stages per rank ``"interleaved_1f1b"`` or ``"zb_v"``), or
+    ``"zb_h2"``, and with several stages per rank ``"interleaved_1f1b"``, ``"zb_v"`` or
+    ``"dualpipe_v"``), or
     check a given one's sizes. ``num_ranks`` defaults to one rank per stage."""
     ranks = num_stages if num_ranks is None else num_ranks
     if isinstance(name, Schedule):
@@ -608,11 +686,11 @@ def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int, *
         return name
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_stages, num_microbatches, num_ranks=ranks)
-    if name == "zb_v":
+    if name in ("zb_v", "dualpipe_v"):
         if num_stages != 2 * ranks:
-            raise ValueError(f"zb_v runs two stages per rank: give {2 * ranks} stages for "
+            raise ValueError(f"{name} runs two stages per rank: give {2 * ranks} stages for "
                              f"{ranks} ranks (len(balance)), not {num_stages}")
-        return zb_v(num_stages, num_microbatches)
+        return (zb_v if name == "zb_v" else dualpipe_v)(num_stages, num_microbatches)
     slack = _SLACK_RE.match(name)
     factory = _SCHEDULES.get(name)
     if slack is None and factory is None:

@@ -8,7 +8,7 @@ memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's def
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
 micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, 1F1B with one forward
 of slack, the zero-bubble ZB-H1 and ZB-H2, whose backward runs as I and W, and with two stages
-per rank interleaved 1F1B and ZB-V) and ``torch.distributed.pipelining`` (``ScheduleGPipe``,
+per rank interleaved 1F1B, ZB-V and DualPipeV) and ``torch.distributed.pipelining`` (``ScheduleGPipe``,
 ``Schedule1F1B``, and with two stages per rank ``ScheduleInterleaved1F1B``,
 ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``). For
 each row: median seconds per training step, speedup over the plain run, efficiency against
@@ -43,14 +43,16 @@ import gpipe_core as gp
 from scripts.reproduction import LiveTensorBytes
 
 K = 2
-OURS = ("gpipe", "1f1b", "1f1b_slack1", "zb_h1", "zb_h2", "interleaved_1f1b", "zb_v")
-THEIRS = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipev")
+OURS = ("gpipe", "1f1b", "1f1b_slack1", "zb_h1", "zb_h2", "interleaved_1f1b", "zb_v",
+        "dualpipe_v")
+THEIRS = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v")
 # Our schedules and the torch.distributed.pipelining schedule each is compared with.
 TORCH_COUNTERPART = {"gpipe": "gpipe", "1f1b": "1f1b", "1f1b_slack1": "1f1b", "zb_h1": "1f1b",
-                     "zb_h2": "1f1b", "interleaved_1f1b": "interleaved_1f1b", "zb_v": "zb_v"}
+                     "zb_h2": "1f1b", "interleaved_1f1b": "interleaved_1f1b", "zb_v": "zb_v",
+                     "dualpipe_v": "dualpipe_v"}
 # Schedules with two stages per rank: stage s on rank s mod K, or in a V (s and 2K-1-s).
 VIRTUAL = {"interleaved_1f1b": "interleaved", "interleaved_zb": "interleaved", "zb_v": "v",
-           "dualpipev": "v"}
+           "dualpipe_v": "v"}
 
 
 class Block(nn.Module):
@@ -181,7 +183,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             if step is not None:
                 configs[(impl, schedule)] = step
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
-        peaks: dict[tuple[str, str], tuple[float | None, float | None]] = {}
+        peaks: dict[tuple[str, str], tuple[float | None, float | None, float]] = {}
         for round_ in range(args.warmup + args.steps):
             for key, fn in configs.items():
                 if round_ == args.warmup - 1:  # warm steps, untimed: memory
@@ -206,8 +208,11 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
 def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int], m: int,
               rank: int, x: Tensor, y: Tensor, checkpoint: str, quiet_io: bool = True) -> Any:
     if impl == "gpipe_core":
-        pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
-                                   checkpoint=checkpoint, loss_fn=loss_fn)
+        try:
+            pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
+                                       checkpoint=checkpoint, loss_fn=loss_fn)
+        except ValueError:
+            return None  # DualPipeV refusing fewer than 2K micro-batches
         if not quiet_io:
             pipe.transport.policy.quiet_io = None
 
@@ -222,7 +227,7 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
                "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
                "interleaved_zb": pipelining.ScheduleInterleavedZeroBubble,
                "zb_v": pipelining.ScheduleZBVZeroBubble,
-               "dualpipev": pipelining.ScheduleDualPipeV}[schedule]
+               "dualpipe_v": pipelining.ScheduleDualPipeV}[schedule]
     num_stages = len(balance)
     placement = VIRTUAL.get(schedule)
     indices = ([rank] if placement is None else [rank, rank + K] if placement == "interleaved"
@@ -315,7 +320,8 @@ def main() -> None:
                   f"{theirs[best_theirs] / ours[best_ours]:.2f}x"
                   + ("; zero-bubble against our 1F1B: "
                      + ", ".join(f"{s} {ours['1f1b'] / ours[s]:.2f}x"
-                                 for s in ("zb_h1", "zb_h2", "zb_v", "interleaved_1f1b")
+                                 for s in ("zb_h1", "zb_h2", "zb_v", "dualpipe_v",
+                                           "interleaved_1f1b")
                                  if s in ours) if "1f1b" in ours else ""))
     plot(rows, out / "bench_pipeline.png")
     print(f"wrote {out}/bench_pipeline.json and bench_pipeline.png")
@@ -331,7 +337,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for impl in ("gpipe_core", "torch.pipelining"):
         for schedule, style in (("gpipe", "-o"), ("1f1b", "--s"), ("1f1b_slack1", "-.^"),
                                 ("zb_h1", ":v"), ("zb_h2", ":D"), ("interleaved_1f1b", "-x"),
-                                ("interleaved_zb", "-+"), ("zb_v", "-*"), ("dualpipev", "-p")):
+                                ("interleaved_zb", "-+"), ("zb_v", "-*"), ("dualpipe_v", "-p")):
             sel = [r for r in rows if r["impl"] == impl and r["schedule"] == schedule]
             if sel:
                 ax.plot([r["M"] for r in sel], [r["speedup"] for r in sel], style,

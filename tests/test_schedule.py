@@ -383,3 +383,33 @@ def test_in_order_matching_is_checked_for_backends_without_tags() -> None:
     # another order than rank 1's actions need them (fine with gloo's tags, not with NCCL).
     with pytest.raises(ScheduleError, match=r"rank 0 sends rank 1 message \d+ as .*NCCL"):
         gp_schedule.check_in_order_matching(gp_schedule.zb_v(4, 4))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_dualpipe_v_validates_and_runs_every_action(k: int) -> None:
+    for m in (2 * k, 2 * k + 1, 4 * k, 8 * k):
+        schedule = gp_schedule.dualpipe_v(2 * k, m)
+        steps = schedule.clock()
+        assert schedule.placement == gp_schedule.zb_v(2 * k, m).placement
+        actions = [a for tick in steps for a in tick]
+        assert len(actions) == len({(a.stage, a.kind, a.mb) for a in actions})
+        # Every micro-batch's backward on every stage: a B, or an I and a W.
+        backward = {(a.stage, a.mb) for a in actions if a.kind in "BI"}
+        assert len(backward) == 2 * k * m
+        assert schedule.peak_held() == [2 * k + 1] * k
+    with pytest.raises(ValueError, match="at least 2 x ranks"):
+        gp_schedule.dualpipe_v(2 * k, 2 * k - 1)
+
+
+def test_dualpipe_v_rank_rows_follow_its_phases() -> None:
+    # Two ranks, M=4. Rank 1 (chunks 1 and 2, the turn of the V): no lone warm-up forwards;
+    # two pairs F1 F2; no I1 W1 F1 round; M-2R+r+1 = 2 main rounds F0 B1 F1 B0 (here 1F 2B 2F
+    # 1B); then r+1 = 2 rounds B1 B0, the second split into I (odd rank: from chunk 1's turn);
+    # their W's come last, oldest first.
+    schedule = gp_schedule.dualpipe_v(4, 4)
+    assert " ".join(str(a) for a in schedule.actions[1]) == (
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3")
+    # Rank 0 (chunks 0 and 3): 2 lone F0 | a pair | I1 W1 F1 | one main round | B1 F1 B0 | B1
+    # and a split B0 (even rank: from chunk 0's turn) | W I0 | W.
+    assert " ".join(str(a) for a in schedule.actions[0]) == (
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3")

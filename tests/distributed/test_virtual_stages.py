@@ -40,6 +40,17 @@ def test_virtual_stage_schedules_match_single_process_reference(
     check_against_reference(per_rank, steps)
 
 
+@pytest.mark.parametrize(("world", "balance", "chunks"),
+                         [(2, [2, 2, 2, 2], (4, 5)), (4, [1] * 8, (8,))])
+def test_dualpipe_v_matches_single_process_reference(
+    tmp_path: Path, world: int, balance: list[int], chunks: tuple[int, ...]
+) -> None:
+    # DualPipeV needs M >= 2 x ranks; 5 micro-batches of 10 samples are 2 each.
+    steps = 2
+    per_rank = spawn(run_pipeline, world, tmp_path, balance, steps, ("dualpipe_v",), chunks)
+    check_against_reference(per_rank, steps)
+
+
 def test_interleaved_with_three_stages_per_rank(tmp_path: Path) -> None:
     steps = 1
     per_rank = spawn(run_pipeline, 2, tmp_path, [1, 1, 2, 2, 1, 1], steps,
@@ -352,7 +363,7 @@ def run_held(rank: int, world: int, schedule: str, balance: list[int]) -> Any:
 
 @pytest.mark.parametrize(("schedule", "balance"), [
     ("1f1b", [4, 4]), ("zb_h1", [4, 4]), ("zb_h2", [4, 4]),
-    ("interleaved_1f1b", [2, 2, 2, 2]), ("zb_v", [2, 2, 2, 2]),
+    ("interleaved_1f1b", [2, 2, 2, 2]), ("zb_v", [2, 2, 2, 2]), ("dualpipe_v", [2, 2, 2, 2]),
 ])
 def test_micro_batches_held_per_rank_match_the_schedules_bound(
     tmp_path: Path, schedule: str, balance: list[int]
