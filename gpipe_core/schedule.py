@@ -605,59 +605,62 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     if m < 2 * k:
         raise ValueError(f"DualPipeV needs at least 2 x ranks = {2 * k} micro-batches, got {m}; "
                          "use more chunks, or zb_v")
-    rows = []
-    for r in range(k):
-        chunk = (r, n - 1 - r)
-        next_f, next_b = [0, 0], [0, 0]
-        row: list[Action] = []
-        queued: list[tuple[int, int]] = []  # (stage, micro-batch) of I's whose W waits
-
-        def forward(c: int) -> None:
-            row.append(Action(chunk[c], "F", next_f[c]))
-            next_f[c] += 1
-
-        def backward(c: int, split: bool = False) -> None:
-            row.append(Action(chunk[c], "I" if split else "B", next_b[c]))
-            if split:
-                queued.append((chunk[c], next_b[c]))
-            next_b[c] += 1
-
-        def weight() -> None:
-            stage, mb = queued.pop(0)
-            row.append(Action(stage, "W", mb))
-
-        for _ in range(2 * (k - 1 - r)):
-            forward(0)
-        for _ in range(r + 1):
-            forward(0)
-            forward(1)
-        for _ in range(k - 1 - r):
-            backward(1, split=True)
-            weight()
-            forward(1)
-        for _ in range(m - 2 * k + r + 1):
-            forward(0)
-            backward(1)
-            forward(1)
-            backward(0)
-        for _ in range(k - 1 - r):
-            backward(1)
-            forward(1)
-            backward(0)
-        split = False
-        for i in range(r + 1):  # the second half splits (from chunk 1's or chunk 0's turn)
-            split = split or (i == (r + 1) // 2 and r % 2 == 1)
-            backward(1, split)
-            split = split or (i == (r + 1) // 2 and r % 2 == 0)
-            backward(0, split)
-        for _ in range(k - 1 - r):
-            weight()
-            backward(0, split=True)
-        while queued:
-            weight()
-        rows.append(tuple(row))
+    rows = [_dualpipe_v_row(r, k, m) for r in range(k)]
     placement = tuple(s if s < k else n - 1 - s for s in range(n))
     return Schedule("dualpipe_v", n, m, tuple(rows), placement)
+
+
+def _dualpipe_v_row(r: int, k: int, m: int) -> tuple[Action, ...]:
+    """Rank r's actions in DualPipeV over k ranks and m micro-batches (see :func:`dualpipe_v`)."""
+    chunk = (r, 2 * k - 1 - r)
+    next_f, next_b = [0, 0], [0, 0]
+    row: list[Action] = []
+    queued: list[tuple[int, int]] = []  # (stage, micro-batch) of I's whose W waits
+
+    def forward(c: int) -> None:
+        row.append(Action(chunk[c], "F", next_f[c]))
+        next_f[c] += 1
+
+    def backward(c: int, split: bool = False) -> None:
+        row.append(Action(chunk[c], "I" if split else "B", next_b[c]))
+        if split:
+            queued.append((chunk[c], next_b[c]))
+        next_b[c] += 1
+
+    def weight() -> None:
+        stage, mb = queued.pop(0)
+        row.append(Action(stage, "W", mb))
+
+    for _ in range(2 * (k - 1 - r)):
+        forward(0)
+    for _ in range(r + 1):
+        forward(0)
+        forward(1)
+    for _ in range(k - 1 - r):
+        backward(1, split=True)
+        weight()
+        forward(1)
+    for _ in range(m - 2 * k + r + 1):
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(k - 1 - r):
+        backward(1)
+        forward(1)
+        backward(0)
+    split = False
+    for i in range(r + 1):  # the second half splits (from chunk 1's or chunk 0's turn)
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        backward(0, split)
+    for _ in range(k - 1 - r):
+        weight()
+        backward(0, split=True)
+    while queued:
+        weight()
+    return tuple(row)
 
 
 _SLACK_RE = re.compile(r"^1f1b_slack(\d+)$")
