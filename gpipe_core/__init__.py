@@ -16,6 +16,7 @@ from .schedule import (
     dualpipe_v,
     gpipe,
     interleaved_1f1b,
+    interleaved_zb,
     one_f_one_b,
     zb_h1,
     zb_h2,
@@ -57,6 +58,7 @@ __all__ = [
     "zb_h1",
     "zb_h2",
     "interleaved_1f1b",
+    "interleaved_zb",
     "zb_v",
     "dualpipe_v",
 ]

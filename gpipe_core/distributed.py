@@ -63,7 +63,8 @@ class DistributedGPipe(StepCounter, nn.Module):
             micro-batch's activations; see :func:`~gpipe_core.one_f_one_b`), ``"zb_h1"`` or
             ``"zb_h2"`` (zero-bubble: the backward split into I and W, W deferred into the
             bubbles; see :func:`~gpipe_core.zb_h1`); with several stages per rank
-            ``"interleaved_1f1b"`` (stage s on rank s mod R), ``"zb_v"`` or ``"dualpipe_v"``
+            ``"interleaved_1f1b"`` or ``"interleaved_zb"`` (stage s on rank s mod R), ``"zb_v"``
+            or ``"dualpipe_v"``
             (two stages per rank in a V); or a factory
             ``(num_stages, num_microbatches) -> Schedule``.
         loss_fn: ``loss_fn(output_mb, target_mb) -> 0-dim tensor``, run on the last stage.

@@ -77,8 +77,8 @@ def plan(
     ``microbatch_costs[M] = (forward, backward)``: per-layer seconds of one micro-batch when
     the batch is split in M, used for that M instead of the whole-batch cost / M + overhead.
     ``schedule``: any name :func:`~gpipe_core.schedule.get_schedule` knows, or several (the
-    plans of all of them compete; ``"all"``: every built-in one). ``"interleaved_1f1b"`` is
-    tried with each V of ``virtual_stages`` stages per device, ``"zb_v"`` and ``"dualpipe_v"``
+    plans of all of them compete; ``"all"``: every built-in one). ``"interleaved_1f1b"`` and
+    ``"interleaved_zb"`` are tried with each V of ``virtual_stages`` stages per device, ``"zb_v"`` and ``"dualpipe_v"``
     with 2. For schedules
     that split the backward (``"zb_h1"``, ``"zb_h2"``, ``"zb_v"``), ``backward_weight`` gives
     each layer's part of ``backward`` spent on parameter gradients (W; the rest is I); without
@@ -90,7 +90,7 @@ def plan(
     else:
         names = [schedule] if isinstance(schedule, str) else list(schedule)
     layouts = [(name, v) for name in names
-               for v in (virtual_stages if name == "interleaved_1f1b" else
+               for v in (virtual_stages if name in ("interleaved_1f1b", "interleaved_zb") else
                          (2,) if name in ("zb_v", "dualpipe_v") else (1,))]
     n = len(forward)
     microbatch_costs = dict(microbatch_costs or {})

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "zb_h1", "zb_h2",
-           "interleaved_1f1b", "zb_v", "dualpipe_v", "get_schedule", "SCHEDULE_NAMES",
+           "interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v", "get_schedule",
+           "SCHEDULE_NAMES",
            "check_in_order_matching"]
 
 Kind = Literal["F", "B", "I", "W"]
@@ -544,9 +545,35 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
     if num_stages % 2:
         raise ValueError(f"ZB-V needs an even num_stages={num_stages}: two chunks per rank")
-    n, m = num_stages, num_microbatches
-    k = n // 2
-    limit = 2 * k
+    n, k = num_stages, num_stages // 2
+    placement = tuple(s if s < k else n - 1 - s for s in range(n))
+    return _greedy_zero_bubble("zb_v", num_microbatches, placement, [2 * k] * k)
+
+
+def interleaved_zb(num_stages: int, num_microbatches: int, *, num_ranks: int) -> Schedule:
+    """Interleaved zero bubble: interleaved 1F1B's placement (stage s on rank s mod R) and
+    per-rank memory, with the backward split into I and W and the W's filling the bubbles, by
+    ZB-V's greedy rule (:func:`zb_v`): I first (later stage first), then a forward while the
+    rank holds fewer chunk micro-batches than :func:`interleaved_1f1b` at most does, then the
+    oldest W. The counterpart of torch's ``ScheduleInterleavedZeroBubble``.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if num_ranks < 1 or num_stages % num_ranks:
+        raise ValueError(f"interleaved zero bubble needs num_stages={num_stages} to be a "
+                         f"multiple of num_ranks={num_ranks} (V chunks per rank)")
+    limits = interleaved_1f1b(num_stages, num_microbatches, num_ranks=num_ranks).peak_held()
+    placement = tuple(s % num_ranks for s in range(num_stages))
+    return _greedy_zero_bubble("interleaved_zb", num_microbatches, placement, limits)
+
+
+def _greedy_zero_bubble(name: str, m: int, placement: tuple[int, ...],
+                        limits: list[int]) -> Schedule:
+    """A split-backward schedule built in unit time (F = I = W = 1 per stage): every rank at
+    every step runs the first ready action of: an I (its later stages first, each its oldest
+    micro-batch whose gradient arrived); a forward (later stages first) while it holds fewer
+    than ``limits[rank]`` micro-batches between F and W; its oldest pending W."""
+    n, k = len(placement), len(limits)
+    mine = [sorted((s for s in range(n) if placement[s] == r), reverse=True) for r in range(k)]
     rows: list[list[Action]] = [[] for _ in range(k)]
     next_ = {kind: [0] * n for kind in "FIW"}
     held = [0] * k
@@ -563,12 +590,11 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
 
     while any(w < m for w in next_["W"]):
         for r in range(k):
-            later, earlier = n - 1 - r, r
-            ready = [("I", s) for s in (later, earlier)
+            ready = [("I", s) for s in mine[r]
                      if next_["I"][s] < next_["F"][s] and gradient_arrived(s)]
-            ready += [("F", s) for s in (later, earlier)
-                      if next_["F"][s] < m and held[r] < limit and input_arrived(s)]
-            weights = [s for s in (later, earlier) if next_["W"][s] < next_["I"][s]]
+            ready += [("F", s) for s in mine[r]
+                      if next_["F"][s] < m and held[r] < limits[r] and input_arrived(s)]
+            weights = [s for s in mine[r] if next_["W"][s] < next_["I"][s]]
             weights.sort(key=lambda s: finished[(s, "I", next_["W"][s])])
             ready += [("W", s) for s in weights]
             if not ready:
@@ -580,8 +606,7 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
             rows[r].append(Action(s, kind, mb))  # type: ignore[arg-type]
             finished[(s, kind, mb)] = time + 1
         time += 1
-    placement = tuple(s if s < k else n - 1 - s for s in range(n))
-    return Schedule("zb_v", n, m, tuple(tuple(row) for row in rows), placement)
+    return Schedule(name, n, m, tuple(tuple(row) for row in rows), placement)
 
 
 def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
@@ -666,15 +691,15 @@ def _dualpipe_v_row(r: int, k: int, m: int) -> tuple[Action, ...]:
 _SLACK_RE = re.compile(r"^1f1b_slack(\d+)$")
 _SCHEDULES = {"gpipe": gpipe, "fill_drain": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b,
               "zb_h1": zb_h1, "zb_h2": zb_h2}
-_VIRTUAL = ("interleaved_1f1b", "zb_v", "dualpipe_v")  # several stages per rank
+_VIRTUAL = ("interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v")  # several per rank
 SCHEDULE_NAMES = (*sorted(_SCHEDULES), *_VIRTUAL, "1f1b_slackN")
 
 
 def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int, *,
                  num_ranks: int | None = None) -> Schedule:
     """Build a schedule by name (``"gpipe"``, ``"1f1b"``, ``"1f1b_slackN"``, ``"zb_h1"``,
-    ``"zb_h2"``, and with several stages per rank ``"interleaved_1f1b"``, ``"zb_v"`` or
-    ``"dualpipe_v"``), or
+    ``"zb_h2"``, and with several stages per rank ``"interleaved_1f1b"``,
+    ``"interleaved_zb"``, ``"zb_v"`` or ``"dualpipe_v"``), or
     check a given one's sizes. ``num_ranks`` defaults to one rank per stage."""
     ranks = num_stages if num_ranks is None else num_ranks
     if isinstance(name, Schedule):
@@ -689,6 +714,8 @@ def get_schedule(name: str | Schedule, num_stages: int, num_microbatches: int, *
         return name
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_stages, num_microbatches, num_ranks=ranks)
+    if name == "interleaved_zb":
+        return interleaved_zb(num_stages, num_microbatches, num_ranks=ranks)
     if name in ("zb_v", "dualpipe_v"):
         if num_stages != 2 * ranks:
             raise ValueError(f"{name} runs two stages per rank: give {2 * ranks} stages for "

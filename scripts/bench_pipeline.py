@@ -8,7 +8,7 @@ memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's def
 in machine load touch all alike): the plain module in rank 0 on the whole batch and on the M
 micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, 1F1B with one forward
 of slack, the zero-bubble ZB-H1 and ZB-H2, whose backward runs as I and W, and with two stages
-per rank interleaved 1F1B, ZB-V and DualPipeV) and ``torch.distributed.pipelining`` (``ScheduleGPipe``,
+per rank interleaved 1F1B, interleaved zero bubble, ZB-V and DualPipeV) and ``torch.distributed.pipelining`` (``ScheduleGPipe``,
 ``Schedule1F1B``, and with two stages per rank ``ScheduleInterleaved1F1B``,
 ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``). For
 each row: median seconds per training step, speedup over the plain run, efficiency against
@@ -43,12 +43,13 @@ import gpipe_core as gp
 from scripts.reproduction import LiveTensorBytes
 
 K = 2
-OURS = ("gpipe", "1f1b", "1f1b_slack1", "zb_h1", "zb_h2", "interleaved_1f1b", "zb_v",
-        "dualpipe_v")
+OURS = ("gpipe", "1f1b", "1f1b_slack1", "zb_h1", "zb_h2", "interleaved_1f1b", "interleaved_zb",
+        "zb_v", "dualpipe_v")
 THEIRS = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v")
 # Our schedules and the torch.distributed.pipelining schedule each is compared with.
 TORCH_COUNTERPART = {"gpipe": "gpipe", "1f1b": "1f1b", "1f1b_slack1": "1f1b", "zb_h1": "1f1b",
-                     "zb_h2": "1f1b", "interleaved_1f1b": "interleaved_1f1b", "zb_v": "zb_v",
+                     "zb_h2": "1f1b", "interleaved_1f1b": "interleaved_1f1b",
+                     "interleaved_zb": "interleaved_zb", "zb_v": "zb_v",
                      "dualpipe_v": "dualpipe_v"}
 # Schedules with two stages per rank: stage s on rank s mod K, or in a V (s and 2K-1-s).
 VIRTUAL = {"interleaved_1f1b": "interleaved", "interleaved_zb": "interleaved", "zb_v": "v",
@@ -321,7 +322,7 @@ def main() -> None:
                   + ("; zero-bubble against our 1F1B: "
                      + ", ".join(f"{s} {ours['1f1b'] / ours[s]:.2f}x"
                                  for s in ("zb_h1", "zb_h2", "zb_v", "dualpipe_v",
-                                           "interleaved_1f1b")
+                                           "interleaved_1f1b", "interleaved_zb")
                                  if s in ours) if "1f1b" in ours else ""))
     plot(rows, out / "bench_pipeline.png")
     print(f"wrote {out}/bench_pipeline.json and bench_pipeline.png")

@@ -26,7 +26,7 @@ from tests.distributed.test_pipeline import (
 )
 
 pytestmark = pytest.mark.distributed
-SCHEDULES = ("interleaved_1f1b", "zb_v")
+SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zb_v")
 
 
 @pytest.mark.parametrize(("world", "balance"), [(2, [2, 2, 2, 2]), (4, [1] * 8)])
@@ -363,7 +363,8 @@ def run_held(rank: int, world: int, schedule: str, balance: list[int]) -> Any:
 
 @pytest.mark.parametrize(("schedule", "balance"), [
     ("1f1b", [4, 4]), ("zb_h1", [4, 4]), ("zb_h2", [4, 4]),
-    ("interleaved_1f1b", [2, 2, 2, 2]), ("zb_v", [2, 2, 2, 2]), ("dualpipe_v", [2, 2, 2, 2]),
+    ("interleaved_1f1b", [2, 2, 2, 2]), ("interleaved_zb", [2, 2, 2, 2]), ("zb_v", [2, 2, 2, 2]),
+    ("dualpipe_v", [2, 2, 2, 2]),
 ])
 def test_micro_batches_held_per_rank_match_the_schedules_bound(
     tmp_path: Path, schedule: str, balance: list[int]
