@@ -125,7 +125,8 @@ class DistributedGPipe(StepCounter, nn.Module):
                 f"len(balance)={len(balance)} does not match the pipeline group's size "
                 f"{self.num_ranks}; launch one process per partition (torchrun "
                 f"--nproc-per-node {len(balance)}) or change balance (a multiple of the group's "
-                "size runs several stages per rank with schedule='interleaved_1f1b' or 'zb_v')"
+                "size runs several stages per rank with schedule='interleaved_1f1b', "
+                "'interleaved_zb', 'zb_v' or 'dualpipe_v')"
             )
         self.schedule_name = schedule
         self._policy = policy_for(dist.get_backend(group))
@@ -143,7 +144,6 @@ class DistributedGPipe(StepCounter, nn.Module):
         self.timeout_s = timeout_s
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.device = torch.device(device) if device is not None else default_device()
-        policy = self._policy
         mailbox: dict[tuple[int, int], list[tuple[Any, float]]] = {}  # this rank's own stages
         self.stages: list[Stage] = []
         self.transports: list[DistributedTransport] = []
@@ -176,8 +176,9 @@ class DistributedGPipe(StepCounter, nn.Module):
                 loss_fn=loss_fn if index == self.num_stages - 1 else None,
                 restore_rng=False,  # _run_step forks the random state once per step
             )
-            transport = DistributedTransport(index, self.stage_ranks, self.device, policy=policy,
-                                             timeout_s=timeout_s, local=mailbox)
+            transport = DistributedTransport(index, self.stage_ranks, self.device,
+                                             policy=self._policy, timeout_s=timeout_s,
+                                             local=mailbox)
             self.stages.append(stage)
             self.transports.append(transport)
             self.runtimes.append(StageRuntime(stage, transport, record=record))
