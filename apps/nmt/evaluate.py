@@ -428,6 +428,7 @@ def evaluate(
         alpha=config.length_penalty if alpha is None else alpha,
         max_decode_len=config.max_decode_len,
         device=device,
+        max_src_tokens=config.eval_batch_tokens,
         search=search,
     )
     if not score_here:

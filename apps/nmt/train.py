@@ -73,9 +73,9 @@ from apps.nmt.pipelined_search import pipeline_search
 RESUMABLE_CHANGES = frozenset({
     "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
     "ckpt_every", "wandb_project", "wandb_mode", "beam_size", "length_penalty", "max_decode_len",
-    "eval_max_sentences", "bucket_thresholds", "device", "bf16", "num_threads", "resume",
-    "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io", "schedule",
-    "checkpoint", "packages", "unk_id", "bos_id", "eos_id", "label_smoothing", "lr",
+    "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
+    "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
+    "quiet_io", "schedule", "checkpoint", "packages", "unk_id", "bos_id", "eos_id", "label_smoothing", "lr",
     "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2", "clip_norm", "weight_decay",
 })
 
