@@ -11,8 +11,10 @@ moments, 16 bytes per parameter: 736 MB) does not fit the budget of Table 1
 1. prepares a two-language corpus (fr, de from the quick Debian packages) in this process;
 2. runs the real ``apps.nmt.train`` under torchrun on 2 pipeline ranks, the layers split by
    parameters (``gp.balance_by_params`` on the ``meta`` model, so no rank times a whole copy),
-   for a few steps with re-materialization, then the final checkpoint and the dev evaluation,
-   which runs through the training pipeline (beam search and the dev loss; BLEU by sacrebleu);
+   for 10 steps with re-materialization, then the final checkpoint and the dev evaluation,
+   which runs through the training pipeline (beam search and the dev loss; BLEU by sacrebleu),
+   in its worst case for memory: a strong length penalty makes every sentence decode
+   ``max_decode_len`` tokens (see ``DEMO``);
 3. measures, in fresh one-process runs of the same model, what holding it whole costs: loading
    the checkpoint into the plain model (what evaluation on one rank did before), and one
    training step of the plain model with Adam;
@@ -25,8 +27,9 @@ Python, torch and the runtime's one-time allocations are not counted. Under torc
 baseline is taken before ``apps.nmt.train`` starts, so gloo, the tokenizer and the training
 stream count against the budget too. Each rank also records its peak up to the first call of
 ``evaluate`` (training and checkpoints) and, after resetting the high-water mark there, the
-evaluation's own peak. After a few steps the model translates badly: BLEU is near zero; the
-point is memory.
+evaluation's own peak. Every measured process runs with glibc's ``MALLOC_MMAP_THRESHOLD_``
+fixed at 128 KB (``--mmap-threshold``; see ``run``), so that freed blocks leave the resident
+size. After a few steps the model translates badly: BLEU is near zero; the point is memory.
 
 ``--set key=value`` overrides the run's config (``apps/nmt/config.py``) after the demo's own.
 """
@@ -62,9 +65,9 @@ DEMO = {
     "eval_max_sentences": 100, "beam_size": 4, "max_decode_len": 32, "log_every": 1,
     # the evaluation's worst case: a length penalty this strong keeps beam search from ending
     # the untrained model's hypotheses early, so every sentence decodes max_decode_len tokens
-    # and the key/value caches reach their largest; beam-search batches of 256 source tokens
-    # bound them (2048, the default, would not fit the budget beside a stage of this model)
-    "length_penalty": 2.0, "eval_batch_tokens": 256,
+    # and the key/value caches reach their largest; beam-search batches of 128 source tokens
+    # bound them (with 512, stage 1 went over the budget; the default 2048 is far over it)
+    "length_penalty": 2.0, "eval_batch_tokens": 128,
     "hold_memory": "false",  # freed blocks go back to the system, as the budget counts them
     "max_positions": 512,  # dev sentences are not length-filtered (positions cost nothing)
     "wandb_mode": "disabled",
