@@ -215,6 +215,14 @@ def python_command(*args: str, torchrun: bool = False) -> list[str]:
             "-m", "scripts.demo_large_nmt", *args]
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (for the results file)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def run(command: list[str], log: Path, *, timeout_s: float, mmap_threshold: int) -> None:
     """Run ``command`` from the repository, its output appended to ``log``; raise on failure.
 
@@ -291,7 +299,7 @@ def demonstrate(settings: dict[str, Any], *, budget_mb: float, run_dir: Path,
         "command": command,
         "budget_mb": budget_mb,
         "malloc_mmap_threshold": mmap_threshold or "glibc default (dynamic)",
-        "settings": {**settings, "balance": balance},
+        "settings": {**settings, "out_dir": shown(checkpoint.parent), "balance": balance},
         "model": f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) "
                  f"d_model={config.d_model} vocab={config.vocab_size}",
         "parameters": parameters,

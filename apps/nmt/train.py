@@ -17,7 +17,9 @@ masks, learning rates and optimizer moments as a run that never stopped.
 
 Dev evaluation (every ``eval_every`` steps and at the end) runs through the training pipeline
 itself (``run_eval``): the ranks of the first replica decode and compute the dev loss, each with
-its own stage, and rank 0 scores and reports; no rank ever builds the whole model.
+its own stage, and rank 0 scores and reports; evaluating never builds the whole model. (Without
+a ``balance``, a model of up to 50M parameters is balanced by timing its layers on a plain copy
+on rank 0 before training: ``nmt_balance``; pass ``balance`` where that copy would not fit.)
 """
 
 from __future__ import annotations
