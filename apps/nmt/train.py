@@ -77,8 +77,9 @@ RESUMABLE_CHANGES = frozenset({
     "ckpt_every", "wandb_project", "wandb_mode", "beam_size", "length_penalty", "max_decode_len",
     "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
     "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
-    "quiet_io", "schedule", "checkpoint", "packages", "unk_id", "bos_id", "eos_id", "label_smoothing", "lr",
-    "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2", "clip_norm", "weight_decay",
+    "quiet_io", "schedule", "checkpoint", "packages", "unk_id", "bos_id", "eos_id",
+    "label_smoothing", "lr", "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2",
+    "clip_norm", "weight_decay",
 })
 
 # ---------------------------------------------------------------------------------------------
