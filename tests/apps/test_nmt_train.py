@@ -57,9 +57,9 @@ def tiny_args(corpus: Path, out_dir: Path, **changes: Any) -> list[str]:
     return [f"--{key}={value}" for key, value in settings.items()]
 
 
-def torchrun(args: list[str], *, timeout_s: float = 150.0) -> str:
-    """apps.nmt.train under torchrun with 2 ranks on 127.0.0.1; its output."""
-    return launch.torchrun("apps.nmt.train", args, timeout_s=timeout_s)
+def torchrun(args: list[str], *, timeout_s: float = 150.0, nproc: int = 2) -> str:
+    """apps.nmt.train under torchrun with ``nproc`` ranks on 127.0.0.1; its output."""
+    return launch.torchrun("apps.nmt.train", args, timeout_s=timeout_s, nproc=nproc)
 
 
 def losses(out_dir: Path) -> list[tuple[int, float]]:
@@ -126,7 +126,9 @@ def test_evaluation_during_training_runs_through_the_pipeline(corpus: Path,
     """2 stages x 2 replicas, evaluating at step 2 and at the end: the dev report and loss equal
     the one-process evaluation of the checkpoint, and at every evaluation each rank of the
     evaluating pipeline held its own stage's parameters and nothing more (a census of the
-    process's live parameters: tests/apps/nmt_census.py); the other replica did not evaluate."""
+    process's live parameters: tests/apps/nmt_census.py); the other replica did not evaluate;
+    and evaluating at step 2 left training as it was (the losses of a run that did not, with
+    dropout)."""
     out_dir = tmp_path / "run"
     balance = [3, 3]
     launch.torchrun("tests.apps.nmt_census", tiny_args(
@@ -151,6 +153,10 @@ def test_evaluation_during_training_runs_through_the_pipeline(corpus: Path,
         assert [json.loads(line)["parameters"] for line in census] == [own, own], rank
     assert own < sum(stage_parameters)  # a stage is not the whole model
     assert not list(out_dir.glob("census-rank00[23].jsonl"))  # replica 1 waited
+
+    quiet = tmp_path / "no_periodic_evaluation"
+    torchrun(tiny_args(corpus, quiet, max_steps=4, balance="3,3"), nproc=4)
+    assert losses(quiet) == losses(out_dir)
 
 
 # ---------------------------------------------------------------------------------------------
