@@ -563,22 +563,33 @@ def _first_to_say(error: BaseException) -> bool:
         return True
 
 
-def on_rank0(work: Callable[[], Any], *, what: str, timeout_s: float = 4 * 3600) -> None:
+def on_rank0(work: Callable[[], Any], *, what: str, timeout_s: float = 4 * 3600,
+             workers: Collection[int] = (0,)) -> None:
     """Run ``work`` on global rank 0 while the other ranks wait for it in the c10d store.
 
     For long one-rank jobs (preparing a corpus): a barrier would be bounded by the process
     group's timeout, which is kept short so that a hung rank fails the run quickly. If ``work``
     raises, the other ranks stop naming rank 0's error.
+
+    ``workers``: the global ranks that run ``work`` together (rank 0 among them), e.g. the
+    ranks of the first replica's pipeline evaluating through it; the rest wait until rank 0's
+    part is done. A worker other than rank 0 that fails makes rank 0's part fail too (its
+    collectives with that rank do, within the process group's timeout).
     """
+    if 0 not in workers:
+        raise ValueError(f"workers={sorted(workers)} must include rank 0, which reports")
     store = dist.distributed_c10d._get_default_store()
     key = f"apps/on_rank0/{what}"
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    if rank in workers:
         try:
             work()
         except BaseException as error:
-            store.set(key, f"{type(error).__name__}: {error}")
+            if rank == 0:
+                store.set(key, f"{type(error).__name__}: {error}")
             raise
-        store.set(key, "ok")
+        if rank == 0:
+            store.set(key, "ok")
         return
     store.wait([key], datetime.timedelta(seconds=timeout_s))
     if store.get(key).decode() != "ok":

@@ -87,6 +87,7 @@ def evaluate_checkpoint(
         device=torch.device(device),
         search=search,
     )
+    assert report is not None  # every rank scores (score_here)
     report["checkpoint"] = str(path)
     if out is not None and master:
         out = Path(out)

@@ -117,6 +117,10 @@ class NMTConfig:
     length_penalty: float = 0.6  # GNMT alpha in ((5 + len) / 6)^alpha; 0 = none
     max_decode_len: int = 64  # most tokens generated per sentence (excluding BOS)
     eval_max_sentences: int = 300  # dev sentences per language in evaluations (also the final)
+    # source tokens (padding included) per beam-search batch: decoding keeps the memory's keys
+    # and values per beam, eval_batch_tokens x beam_size x num_heads x head_dim x 8 bytes per
+    # decoder layer (a pipeline stage, its own layers'); the scores do not depend on it
+    eval_batch_tokens: int = 2048
 
     @property
     def num_model_layers(self) -> int:
@@ -128,7 +132,7 @@ class NMTConfig:
         positive = (
             "num_layers ffn_dim num_heads head_dim d_model vocab_size max_positions max_tokens "
             "max_len num_stages chunks max_steps log_every beam_size max_decode_len num_threads "
-            "eval_max_sentences timeout_s"
+            "eval_max_sentences eval_batch_tokens timeout_s"
         ).split()
         for name in positive:
             value = getattr(self, name)

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+import gpipe_core as gp
 from apps import common
 from apps.common import CheckpointError
 from apps.config import ConfigError
@@ -72,8 +74,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_model(config: NMTConfig, checkpoint_dir: str | Path, device: torch.device) -> nn.Sequential:
     """The plain ``nn.Sequential`` of ``config`` with the weights of a (sharded) checkpoint."""
-    import gpipe_core as gp
-
     model = build_model(config, device="meta")
     state = gp.load_shards(checkpoint_dir)
     model.load_state_dict(state, assign=True)
@@ -278,7 +278,7 @@ def translate(
 
 @torch.no_grad()
 def mean_token_loss(
-    model: nn.Sequential,
+    model: nn.Sequential | gp.DistributedGPipe,
     config: NMTConfig,
     *,
     split: str = "dev",
@@ -286,21 +286,40 @@ def mean_token_loss(
     device: torch.device | None = None,
 ) -> float:
     """Cross entropy per target token (nats, no label smoothing, the model in eval mode) over
-    the first ``max_per_lang`` pairs of each trained language of ``split``."""
-    from apps.nmt.data import eval_batches
+    the first ``max_per_lang`` pairs of each trained language of ``split``.
+
+    ``model`` is the plain model, or a ``DistributedGPipe`` of it: then every rank of its
+    pipeline calls this alike (collective over the pipeline group), the batches go through
+    ``pipe.evaluate`` (forward only), the last stage sums the loss of the logits and every rank
+    gets the mean. The pipeline's batches hold ``config.max_tokens`` tokens (the training
+    mini-batch the pipeline is sized for) instead of 4096: the mean is the same, up to float
+    rounding.
+    """
     from apps.nmt.model import token_cross_entropy_sum
 
-    device = device or next(model.parameters()).device
+    pipe = model if isinstance(model, gp.DistributedGPipe) else None
+    device = pipe.device if pipe is not None else device or next(model.parameters()).device
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
-    for batch in eval_batches(config.data_dir, split, max_tokens=4096,
+    for batch in eval_batches(config.data_dir, split,
+                              max_tokens=config.max_tokens if pipe is not None else 4096,
                               languages=train_languages(config), max_per_lang=max_per_lang):
-        logits = model((batch.src.to(device), batch.tgt_in.to(device)))
         target = batch.tgt_out.to(device)
-        total += float(token_cross_entropy_sum(logits, target, pad_id=config.pad_id))
         tokens += int(target.ne(config.pad_id).sum())
+        if pipe is None:
+            logits = model((batch.src.to(device), batch.tgt_in.to(device)))
+        else:  # logits on the last stage only; its loss is the one used (no label smoothing)
+            _, logits = pipe.evaluate((batch.src, batch.tgt_in) if pipe.is_first else None,
+                                      target if pipe.is_last else None, return_outputs=True)
+            if not pipe.is_last:
+                continue
+        total += float(token_cross_entropy_sum(logits, target, pad_id=config.pad_id))
     model.train(was_training)
+    if pipe is not None:
+        summed = torch.tensor([total], dtype=torch.float64, device=device)
+        dist.broadcast(summed, src=pipe.stage_ranks[-1], group=pipe.group)
+        total = float(summed[0])
     return total / max(tokens, 1)
 
 
@@ -374,13 +393,16 @@ def evaluate(
     alpha: float | None = None,
     device: torch.device | None = None,
     search: Callable[[Tensor, int], list[list[int]]] | None = None,
-) -> Report:
-    """Translate ``split`` and score it (in one process: the training run calls it on rank 0;
-    with ``search`` instead of ``model``, through a pipeline: see ``translate``).
+    score_here: bool = True,
+) -> Report | None:
+    """Translate ``split`` and score it (in one process; with ``search`` instead of ``model``,
+    through a pipeline: see ``translate``; the training run evaluates so on its pipeline).
 
     ``languages`` None evaluates the trained languages that have ``split`` data (others are
     listed under ``skipped``); given explicitly, a language without data is an error.
     Buckets by training-set size: ``config.bucket_thresholds``, or terciles when it is None.
+    ``score_here=False``: this rank only takes its part in a pipeline's decoding (every rank
+    gets the same hypotheses) and returns None; the rank that reports scores them.
     """
     started = time.monotonic()
     trained = train_languages(config)
@@ -406,8 +428,11 @@ def evaluate(
         alpha=config.length_penalty if alpha is None else alpha,
         max_decode_len=config.max_decode_len,
         device=device,
+        max_src_tokens=config.eval_batch_tokens,
         search=search,
     )
+    if not score_here:
+        return None
     report = score(sentences, hypotheses, buckets, train_counts)
     report.update(
         split=split,

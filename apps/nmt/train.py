@@ -15,9 +15,11 @@ tokenizer fingerprint), a ``latest`` pointer, ``log.jsonl`` (one line per step) 
 ``dev_bleu.json``. ``--resume`` continues from ``latest`` exactly: the same batches, dropout
 masks, learning rates and optimizer moments as a run that never stopped.
 
-Dev evaluation (every ``eval_every`` steps and at the end) runs on rank 0 alone, on the plain
-model loaded from the checkpoint just written; the other ranks wait for it (``run_eval``), so
-only rank 0 ever builds the whole model, and only while it evaluates.
+Dev evaluation (every ``eval_every`` steps and at the end) runs through the training pipeline
+itself (``run_eval``): the ranks of the first replica decode and compute the dev loss, each with
+its own stage, and rank 0 scores and reports; evaluating never builds the whole model. (Without
+a ``balance``, a model of up to 50M parameters is balanced by timing its layers on a plain copy
+on rank 0 before training: ``nmt_balance``; pass ``balance`` where that copy would not fit.)
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ from apps.nmt.evaluate import (
     TRAIN_COMMAND,
     evaluate,
     format_report,
-    load_model,
     mean_token_loss,
     write_report,
 )
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
+from apps.nmt.pipelined_search import pipeline_search
 
 # Config keys a resumed run may change (apps.common.check_resumable): budgets, logging,
 # evaluation, runtime, and the schedule and re-materialization mode (the library gives the same
@@ -73,10 +75,11 @@ from apps.nmt.model import activation_stats, token_cross_entropy_sum
 RESUMABLE_CHANGES = frozenset({
     "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
     "ckpt_every", "wandb_project", "wandb_mode", "beam_size", "length_penalty", "max_decode_len",
-    "eval_max_sentences", "bucket_thresholds", "device", "bf16", "num_threads", "resume",
-    "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io", "schedule",
-    "checkpoint", "packages", "unk_id", "bos_id", "eos_id", "label_smoothing", "lr",
-    "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2", "clip_norm", "weight_decay",
+    "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
+    "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
+    "quiet_io", "schedule", "checkpoint", "packages", "unk_id", "bos_id", "eos_id",
+    "label_smoothing", "lr", "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2",
+    "clip_norm", "weight_decay",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- config ---------------------------------------------------------------------------
     config = load_nmt_config(sys.argv[1:] if argv is None else argv)
     # every collective fails within timeout_s (naming the rank that hangs); the long waits, for
-    # rank 0 to prepare the corpus or to evaluate, are on the store instead (on_rank0)
+    # rank 0 to prepare the corpus or for replica 0 to evaluate, are on the store (on_rank0)
     run = setup_run(num_stages=config.num_stages, device=config.device,
                     num_threads=config.num_threads, timeout_s=config.timeout_s,
                     pin_cpus=config.pin_cpus, hold_memory=config.hold_memory)
@@ -341,30 +344,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         return write_checkpoint(out_dir, step, pipe, state, config, rank=rank,
                                 files={"tokenizer.json": tokenizer_json})
 
-    def run_eval(path: Path, *, what: str, dev_loss: bool = False) -> dict[str, Any] | None:
+    def run_eval(*, what: str, dev_loss: bool = False) -> dict[str, Any] | None:
         """Dev BLEU (and with ``dev_loss`` the dev loss per target token, as ``"dev_loss"``) of
-        the checkpoint at ``path``, on rank 0 only; None on the other ranks.
+        the weights just checkpointed, through the training pipeline itself; the report on
+        rank 0, None on the other ranks.
 
-        The plain model is the whole model, so only rank 0 builds it (from the checkpoint it
-        just wrote): no other rank ever holds more than its own stage. The others wait for it
-        on the store (on_rank0: not bounded by timeout_s, as an evaluation takes minutes).
-        One rank translates every sentence, so an evaluation takes about R*K times as long as
-        when every rank translated a share; the scores are the same. Evaluating through the
-        pipeline itself, so that no rank holds the whole model, is a separate issue.
+        Every rank of replica 0's pipeline decodes with its own stage
+        (``apps.nmt.pipelined_search``: the hypotheses are the plain model's, token for token)
+        and runs its stage's forward of the dev loss (``pipe.evaluate``); rank 0 scores with
+        sacrebleu and reports. No rank builds more than its own stage. With R > 1 replicas
+        the other replicas wait (on the store: an evaluation takes minutes, longer than
+        timeout_s); sharing the sentences among replicas would divide the time by R.
         """
         result: dict[str, Any] = {}
 
         def work() -> None:
-            plain = load_model(config, path, device)
-            report = evaluate(plain, config, tokenizer, split="dev",
-                              max_per_lang=config.eval_max_sentences, device=device)
-            if dev_loss:
-                report["dev_loss"] = mean_token_loss(
-                    plain, config, split="dev", max_per_lang=config.eval_max_sentences,
-                    device=device)
+            search = pipeline_search(pipe, config, beam_size=config.beam_size,
+                                     alpha=config.length_penalty)
+            report = evaluate(None, config, tokenizer, split="dev",
+                              max_per_lang=config.eval_max_sentences, device=device,
+                              search=search, score_here=master)
+            if dev_loss:  # collective over the pipeline, so on every rank of it
+                loss = mean_token_loss(pipe, config, split="dev",
+                                       max_per_lang=config.eval_max_sentences)
+                if report is not None:
+                    report["dev_loss"] = loss
             result["report"] = report
 
-        on_rank0(work, what=what)
+        with gp.collectives(what):  # every rank enters: replica 0 evaluates, the others wait
+            on_rank0(work, what=what, workers=range(config.num_stages))
         return result.get("report")
 
     # --- training loop --------------------------------------------------------------------
@@ -478,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             path = save(step)
             last_saved = step
         if due_eval and step < config.max_steps:  # the final evaluation follows the loop
-            report = run_eval(path, what=f"dev evaluation at step {step}")
+            report = run_eval(what=f"dev evaluation at step {step}")
             if report is not None:
                 lines = format_report(report, examples=0).splitlines()
                 bar.write(f"step {step} dev BLEU:\n" + "\n".join(lines[1:5]))
@@ -499,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
         f"checkpoint {path}"
     )
-    report = run_eval(path, what="the final dev evaluation", dev_loss=True)
+    report = run_eval(what="the final dev evaluation", dev_loss=True)
     summary = None
     if master:
         assert report is not None

@@ -15,7 +15,7 @@ from apps.config import ConfigError, save_config
 from apps.nmt import train
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import CorpusError, load_tokenizer
-from apps.nmt.evaluate import CheckpointError
+from apps.nmt.evaluate import CheckpointError, load_checkpoint, mean_token_loss
 from apps.nmt.model import token_cross_entropy_sum
 from data.gettext_m2en.prepare import prepare
 from scripts.eval_bleu import TokenizerMismatch, evaluate_checkpoint
@@ -57,9 +57,9 @@ def tiny_args(corpus: Path, out_dir: Path, **changes: Any) -> list[str]:
     return [f"--{key}={value}" for key, value in settings.items()]
 
 
-def torchrun(args: list[str], *, timeout_s: float = 150.0) -> str:
-    """apps.nmt.train under torchrun with 2 ranks on 127.0.0.1; its output."""
-    return launch.torchrun("apps.nmt.train", args, timeout_s=timeout_s)
+def torchrun(args: list[str], *, timeout_s: float = 150.0, nproc: int = 2) -> str:
+    """apps.nmt.train under torchrun with ``nproc`` ranks on 127.0.0.1; its output."""
+    return launch.torchrun("apps.nmt.train", args, timeout_s=timeout_s, nproc=nproc)
 
 
 def losses(out_dir: Path) -> list[tuple[int, float]]:
@@ -117,6 +117,46 @@ def test_train_checkpoint_exact_resume_and_bleu(corpus: Path, tmp_path: Path) ->
 
 def resolve(out_dir: Path) -> Path:
     return out_dir / (out_dir / "latest").read_text().strip()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_evaluation_during_training_runs_through_the_pipeline(corpus: Path,
+                                                              tmp_path: Path) -> None:
+    """2 stages x 2 replicas, evaluating at step 2 and at the end: the dev report and loss equal
+    the one-process evaluation of the checkpoint, and at every evaluation each rank of the
+    evaluating pipeline held its own stage's parameters and nothing more (a census of the
+    process's live parameters: tests/apps/nmt_census.py); the other replica did not evaluate;
+    and evaluating at step 2 left training as it was (the losses of a run that did not, with
+    dropout)."""
+    out_dir = tmp_path / "run"
+    balance = [3, 3]
+    launch.torchrun("tests.apps.nmt_census", tiny_args(
+        corpus, out_dir, max_steps=4, eval_every=2, balance=",".join(map(str, balance))),
+        nproc=4, timeout_s=300)
+
+    reported = json.loads((out_dir / "dev_bleu.json").read_text())
+    single = evaluate_checkpoint(out_dir, split="dev", beam_size=2, max_per_lang=6)
+    assert reported["languages"] == single["languages"]  # scores and example hypotheses
+    assert reported["buckets"] == single["buckets"]
+    loaded = load_checkpoint(out_dir)
+    assert loaded.model is not None
+    plain_loss = mean_token_loss(loaded.model, loaded.config, split="dev", max_per_lang=6)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["dev_loss"] == pytest.approx(plain_loss, abs=1e-5)
+
+    model = build_model(loaded.config, device="meta")
+    stage_parameters = [sum(p.numel() for p in model[:balance[0]].parameters()),
+                        sum(p.numel() for p in model[balance[0]:].parameters())]
+    for rank, own in enumerate(stage_parameters):
+        census = (out_dir / f"census-rank{rank:03d}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["parameters"] for line in census] == [own, own], rank
+    assert own < sum(stage_parameters)  # a stage is not the whole model
+    assert not list(out_dir.glob("census-rank00[23].jsonl"))  # replica 1 waited
+
+    quiet = tmp_path / "no_periodic_evaluation"
+    torchrun(tiny_args(corpus, quiet, max_steps=4, balance="3,3"), nproc=4)
+    assert losses(quiet) == losses(out_dir)
 
 
 # ---------------------------------------------------------------------------------------------

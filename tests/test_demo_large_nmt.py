@@ -1,0 +1,36 @@
+"""scripts/demo_large_nmt.py at test size: train, checkpoint and evaluate on 2 pipeline ranks,
+each process's memory measured, and the whole model measured in one process (~20 s)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts import demo_large_nmt
+from tests.apps.test_nmt_train import corpus  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def test_tiny_demo_measures_every_process(corpus: Path, tmp_path: Path) -> None:  # noqa: F811
+    out = tmp_path / "demo.json"
+    assert demo_large_nmt.main(["--tiny", "--data-dir", str(corpus), "--budget-mb", "256",
+                                "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["train"]["steps"] == 2 and result["train"]["dev_loss"] > 0
+    assert set(result["dev_bleu"]) == {"high", "medium", "low"}
+    assert sum(result["stage_parameters"]) == result["parameters"]
+    assert min(result["stage_parameters"]) > 0
+    whole = result["whole_model"]
+    assert whole["training_state_mb"] == pytest.approx(result["parameters"] * 16 / 2**20, abs=0.1)
+    # the tiny model's footprint is within the measurement's noise; the fields are there
+    assert whole["measured_train_step_above_baseline_mb"] > 0
+    assert whole["measured_load_above_baseline_mb"] >= 0
+    assert [rank["rank"] for rank in result["ranks"]] == [0, 1]
+    for rank in result["ranks"]:
+        assert rank["baseline_mb"] > 100  # python + torch
+        assert rank["peak_above_baseline_mb"] == max(rank["training_above_baseline_mb"],
+                                                     rank["evaluation_above_baseline_mb"])
+    assert result["every_rank_fits"]  # a 0.1M-parameter model in 256 MB
