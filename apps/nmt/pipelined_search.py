@@ -42,7 +42,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,8 +61,8 @@ if TYPE_CHECKING:
     from apps.nmt.config import NMTConfig
     from apps.nmt.evaluate import LoadedCheckpoint
 
-__all__ = ["default_groups", "load_pipeline", "pipeline_search", "pipelined_beam_search",
-           "pipelined_search_hypotheses"]
+__all__ = ["PipelineSearch", "default_groups", "load_pipeline", "pipeline_search",
+           "pipelined_beam_search", "pipelined_search_batches", "pipelined_search_hypotheses"]
 
 # Message kinds; a message's tag is _TAG_BASE + 4 * group + kind (above gpipe_core.transport's
 # tags), so messages of different groups can never be taken for each other.
@@ -95,6 +95,7 @@ class _Group:
     decided: tuple[int, Tensor, Tensor] | None = None  # one stage only: the last decisions
     posted: tuple[Any, Tensor] | None = None  # the receive of its next decoding message
     posted_memory: tuple[Any, Tensor] | None = None  # the receive of its encoder states
+    finished: bool = False  # the last stage: its search is done
 
 
 class _Ring:
@@ -234,7 +235,14 @@ class _Ring:
         group.src_pad = src_pad
 
     def turn(self, group: _Group) -> bool:
-        """The group's next decoding step on this stage; whether the group goes on."""
+        """The group's next decoding step on this stage; whether the group goes on.
+
+        A finished group leaves every stage's rotation at the same place: the turn after its
+        last step, where the other stages get the message of zero rows and the last stage,
+        which knew it first, nothing.
+        """
+        if group.finished:
+            return False
         first_step = group.step == 0
         if first_step:
             self._encode(group)
@@ -308,7 +316,8 @@ class _Ring:
             self.send(header, 0, _tag(group.index, _DECIDED))
         if search.done:
             group.caches = []
-            return False
+            group.finished = True  # leaves at its next turn, as on the other stages
+            return True
         self._post_next(group)
         return True
 
@@ -327,6 +336,8 @@ class _Ring:
     # -- the hypotheses, from the last stage to every rank -----------------------------------
 
     def share(self, hypotheses: list[Hypothesis] | None, batch_size: int) -> list[Hypothesis]:
+        if batch_size == 0:
+            return []
         last = self.num_stages - 1
         tag = _tag(0, _RESULT)
         if self.is_last:
@@ -367,6 +378,75 @@ def _model_width(layers: list[torch.nn.Module]) -> int:
 
 
 @torch.no_grad()
+def pipelined_search_batches(
+    pipe: gp.DistributedGPipe,
+    batches: Sequence[tuple[Tensor, int]],
+    *,
+    pad_id: int,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    in_flight: int | None = None,
+) -> list[list[Hypothesis]]:
+    """Decode several padded batches ``(src_ids [B,S], max_len)`` through the pipeline, each
+    batch its own group, ``in_flight`` of them at a time (default :func:`default_groups` of
+    the stages): a finished batch's place in the rotation goes to the next one. Each batch's
+    hypotheses equal the one-process search of that batch (``search_hypotheses``) bit for bit.
+    Collective over the pipeline group; every rank passes the same arguments and gets the same
+    hypotheses (per batch, per sentence).
+    """
+    in_flight = default_groups(pipe.num_stages, len(batches)) if in_flight is None else in_flight
+    if in_flight < 1:
+        raise ValueError(f"in_flight={in_flight} must be >= 1")
+    was_training = pipe.training
+    pipe.eval()
+    try:
+        ring = _Ring(pipe, pad_id=pad_id)
+        searches = [new_search(batch_size=src_ids.shape[0], beam_size=beam_size, bos_id=bos_id,
+                               eos_id=eos_id, max_len=max_len, alpha=alpha, device=ring.device)
+                    for src_ids, max_len in batches]  # on every rank: the first step's rows
+        waiting = deque(index for index, search in enumerate(searches) if not search.done)
+        rotation: deque[_Group] = deque()
+
+        def admit() -> None:
+            index = waiting.popleft()
+            search = searches[index]
+            group = _Group(index, batches[index][0].to(ring.device), search,
+                           [LayerCache() for _ in ring.decoders],
+                           rows=search.source_rows.numel())
+            ring.start(group)
+            rotation.append(group)
+
+        ring.policy.refresh()
+        try:
+            while waiting and len(rotation) < in_flight:
+                admit()
+            while rotation:  # round-robin: each group's next step, in the same order everywhere
+                group = rotation.popleft()
+                if ring.turn(group):
+                    rotation.append(group)
+                elif waiting:  # its place goes to the next batch, on every stage alike
+                    admit()
+            ring.finish()
+            flat = None
+            if ring.is_last:
+                flat = [h for search in searches for h in search.hypotheses()]
+            flat = ring.share(flat, sum(src_ids.shape[0] for src_ids, _ in batches))
+        except PipelineFailure:
+            raise
+        except Exception as exc:
+            report_failure(exc, where=ring._where())  # the other ranks name this one
+            raise
+    finally:
+        pipe.train(was_training)
+    hypotheses, start = [], 0
+    for src_ids, _ in batches:
+        hypotheses.append(flat[start : start + src_ids.shape[0]])
+        start += src_ids.shape[0]
+    return hypotheses
+
+
 def pipelined_search_hypotheses(
     pipe: gp.DistributedGPipe,
     src_ids: Tensor,
@@ -381,48 +461,19 @@ def pipelined_search_hypotheses(
 ) -> list[Hypothesis]:
     """Each sentence's hypothesis (tokens and score, ``apps.nmt.search.Hypothesis``) of the
     padded batch ``src_ids`` [B,S] (no BOS/EOS), the same on every rank, decoded through the
-    pipeline in ``groups`` groups of sentences (default :func:`default_groups`). Collective over
-    the pipeline group; every rank passes the same arguments and gets the same hypotheses.
+    pipeline as ``groups`` groups of consecutive sentences, all in flight (default
+    :func:`default_groups`). Equals ``search_hypotheses(model, src_ids, groups=groups)`` bit for
+    bit. Collective over the pipeline group; every rank passes the same arguments.
     """
-    batch_size = src_ids.shape[0]
-    groups = default_groups(pipe.num_stages, batch_size) if groups is None else groups
-    parts = split_groups(batch_size, groups)  # also refuses groups < 1
-    if batch_size == 0:
+    groups = default_groups(pipe.num_stages, src_ids.shape[0]) if groups is None else groups
+    parts = split_groups(src_ids.shape[0], groups)  # also refuses groups < 1
+    if src_ids.shape[0] == 0:
         return []
-    was_training = pipe.training
-    pipe.eval()
-    try:
-        ring = _Ring(pipe, pad_id=pad_id)
-        src_ids = src_ids.to(ring.device)
-        states = []
-        for index, rows in enumerate(parts):
-            search = new_search(batch_size=rows.numel(), beam_size=beam_size, bos_id=bos_id,
-                                eos_id=eos_id, max_len=max_len, alpha=alpha, device=ring.device)
-            states.append(_Group(index, src_ids[rows.to(ring.device)], search,
-                                 [LayerCache() for _ in ring.decoders],
-                                 rows=search.source_rows.numel()))
-        live = [group for group in states if not group.search.done]
-        ring.policy.refresh()
-        try:
-            for group in live:
-                ring.start(group)
-            rotation = deque(live)
-            while rotation:  # round-robin: each group's next step, in the same order everywhere
-                group = rotation.popleft()
-                if ring.turn(group):
-                    rotation.append(group)
-            ring.finish()
-            hypotheses = None
-            if ring.is_last:
-                hypotheses = [h for group in states for h in group.search.hypotheses()]
-            return ring.share(hypotheses, batch_size)
-        except PipelineFailure:
-            raise
-        except Exception as exc:
-            report_failure(exc, where=ring._where())  # the other ranks name this one
-            raise
-    finally:
-        pipe.train(was_training)
+    batches = [(src_ids[rows.to(src_ids.device)], max_len) for rows in parts]
+    per_batch = pipelined_search_batches(pipe, batches, pad_id=pad_id, bos_id=bos_id,
+                                         eos_id=eos_id, beam_size=beam_size, alpha=alpha,
+                                         in_flight=len(batches))
+    return [hypothesis for hypotheses in per_batch for hypothesis in hypotheses]
 
 
 def pipelined_beam_search(
@@ -441,8 +492,9 @@ def pipelined_beam_search(
     """``apps.nmt.search.beam_search`` through the pipeline: token ids per sentence of the
     padded batch ``src_ids`` [B,S] (no BOS/EOS), the same on every rank. Collective over the
     pipeline group; every rank passes the same arguments. ``beam_size=1`` is greedy decoding.
-    ``groups``: see :func:`pipelined_search_hypotheses`; ``vocab_size`` is the model's (the
-    last stage's projection has it; kept for the callers).
+    ``groups``: see :func:`pipelined_search_hypotheses` (``groups=1``: exactly ``beam_search``
+    on the whole batch). ``vocab_size`` is the model's (unused: the last stage's projection
+    has it; kept for the callers).
     """
     del vocab_size
     hypotheses = pipelined_search_hypotheses(pipe, src_ids, pad_id=pad_id, bos_id=bos_id,
@@ -493,17 +545,36 @@ def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
     return pipe, run
 
 
+class PipelineSearch:
+    """The search of ``apps.nmt.evaluate.translate`` through a pipeline (greedy for
+    ``beam_size=1``); every rank of the pipeline must call it alike.
+
+    ``search(src_ids, max_len)`` decodes one batch in ``groups`` groups of sentences
+    (:func:`pipelined_beam_search`); ``search.batches([(src_ids, max_len), ...])`` decodes
+    several batches, each its own group, several at a time (:func:`pipelined_search_batches`):
+    ``translate`` hands it all its batches, so that the hypotheses are the one-process ones
+    (each batch is decoded as a batch, as in one process) and the stages still overlap.
+    """
+
+    def __init__(self, pipe: gp.DistributedGPipe, config: NMTConfig, *, beam_size: int,
+                 alpha: float, groups: int | None = None) -> None:
+        self.pipe, self.config, self.groups = pipe, config, groups
+        self.options = dict(pad_id=config.pad_id, bos_id=config.bos_id, eos_id=config.eos_id,
+                            beam_size=beam_size, alpha=alpha)
+
+    def __call__(self, src_ids: Tensor, max_len: int) -> list[list[int]]:
+        return pipelined_beam_search(self.pipe, src_ids, vocab_size=self.config.vocab_size,
+                                     max_len=max_len, groups=self.groups,
+                                     **self.options)  # type: ignore[arg-type]
+
+    def batches(self, batches: Sequence[tuple[Tensor, int]]) -> list[list[list[int]]]:
+        per_batch = pipelined_search_batches(self.pipe, batches, in_flight=self.groups,
+                                             **self.options)  # type: ignore[arg-type]
+        return [[hypothesis.tokens for hypothesis in batch] for batch in per_batch]
+
+
 def pipeline_search(pipe: gp.DistributedGPipe, config: NMTConfig, *, beam_size: int,
-                    alpha: float, groups: int | None = None
-                    ) -> Callable[[Tensor, int], list[list[int]]]:
-    """``search(src_ids, max_len)`` for ``apps.nmt.evaluate.translate``: beam search (greedy
-    for ``beam_size=1``) through ``pipe``, each batch in ``groups`` groups of sentences
-    (:func:`pipelined_search_hypotheses`); every rank of the pipeline must call it alike."""
-
-    def search(src_ids: Tensor, max_len: int) -> list[list[int]]:
-        return pipelined_beam_search(pipe, src_ids, vocab_size=config.vocab_size,
-                                     pad_id=config.pad_id, bos_id=config.bos_id,
-                                     eos_id=config.eos_id, beam_size=beam_size, alpha=alpha,
-                                     max_len=max_len, groups=groups)
-
-    return search
+                    alpha: float, groups: int | None = None) -> PipelineSearch:
+    """The search through ``pipe`` for ``apps.nmt.evaluate.translate`` (:class:`PipelineSearch`:
+    ``search(src_ids, max_len)``, and ``search.batches`` for several batches at a time)."""
+    return PipelineSearch(pipe, config, beam_size=beam_size, alpha=alpha, groups=groups)

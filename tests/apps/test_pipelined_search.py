@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apps.nmt.model import transformer
-from apps.nmt.search import Hypothesis, search_hypotheses, split_groups
+from apps.nmt.search import search_hypotheses, split_groups
 from tests.distributed import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -42,9 +42,15 @@ def sources() -> torch.Tensor:
     return src
 
 
+def several_batches() -> list[tuple[torch.Tensor, int]]:
+    """Batches of other widths, sizes and max_len, more of them than are in flight at once."""
+    src = sources()
+    return [(src[:3, :4], 5), (src[3:], MAX_LEN), (src[1:2], 3), (src[2:6, :5], 6)]
+
+
 def decode_on_ranks(rank: int, world_size: int, dtype: torch.dtype, balances: list[list[int]],
-                    groups: list[int | None]) -> dict[Any, list[Hypothesis]]:
-    from apps.nmt.pipelined_search import pipelined_search_hypotheses
+                    groups: list[int | None]) -> dict[Any, Any]:
+    from apps.nmt.pipelined_search import pipelined_search_batches, pipelined_search_hypotheses
     from gpipe_core import DistributedGPipe
 
     results = {}
@@ -56,6 +62,9 @@ def decode_on_ranks(rank: int, world_size: int, dtype: torch.dtype, balances: li
                 results[(tuple(balance), beam, group_count)] = pipelined_search_hypotheses(
                     pipe, sources(), pad_id=PAD, bos_id=BOS, eos_id=EOS, beam_size=beam,
                     alpha=0.6, max_len=MAX_LEN, groups=group_count)
+            results[(tuple(balance), beam, "batches")] = pipelined_search_batches(
+                pipe, several_batches(), pad_id=PAD, bos_id=BOS, eos_id=EOS, beam_size=beam,
+                alpha=0.6, in_flight=2)
     return results
 
 
@@ -75,6 +84,9 @@ def test_grouped_pipelined_search_gives_the_one_process_hypotheses_and_scores(
             expected[(beam, group_count)] = search_hypotheses(
                 model, src, bos_id=BOS, eos_id=EOS, beam_size=beam, alpha=0.6, max_len=MAX_LEN,
                 groups=count)
+        expected[(beam, "batches")] = [  # each batch as one process decodes it
+            search_hypotheses(model, batch, bos_id=BOS, eos_id=EOS, beam_size=beam, alpha=0.6,
+                              max_len=max_len) for batch, max_len in several_batches()]
     greedy = expected[(1, 3)]
     lengths = {len(hypothesis.tokens) for hypothesis in greedy}
     assert len(lengths) > 2 and MAX_LEN in lengths  # sentences end at different steps
@@ -84,6 +96,10 @@ def test_grouped_pipelined_search_gives_the_one_process_hypotheses_and_scores(
     for per_rank in ranks:  # every rank gets the hypotheses
         for (balance, beam, group_count), hypotheses in per_rank.items():
             want = expected[(beam, group_count)]
+            if group_count == "batches":  # per batch
+                assert [len(batch) for batch in hypotheses] == [len(batch) for batch in want]
+                hypotheses = [h for batch in hypotheses for h in batch]
+                want = [h for batch in want for h in batch]
             assert [h.tokens for h in hypotheses] == [h.tokens for h in want], (balance, beam)
             assert [h.score for h in hypotheses] == [h.score for h in want], (balance, beam)
             assert all(math.isfinite(h.score) for h in hypotheses)
