@@ -1,40 +1,46 @@
 """Greedy decoding and beam search through a ``DistributedGPipe`` of the NMT model, each rank
 running only its own stage's layers, with a key/value cache per decoder layer on its stage, and
-sentences in groups so that all stages work at once.
+groups of sentences in flight so that all stages work at once.
 
 Every rank of the pipeline calls :func:`pipelined_beam_search` with the same source batch. The
 batch is split into G groups of consecutive sentences (``groups=``; default twice the number of
-stages, at most one group per sentence), each with its own search state and caches. A group
-goes round a ring of the stages, one decoding step per round; the groups follow each other
-round it, so while stage s+1 computes group g, stage s computes group g+1::
+stages, at most one per sentence), each with its own search state and caches; or
+:func:`pipelined_search_batches` takes several batches, each its own group, ``in_flight`` at a
+time. A group goes round a ring of the stages, one decoding step per round, and the groups
+follow each other round it, so while stage s+1 computes group g, stage s computes group g+1::
 
-    step t of group g:  stage 0: embed the newest tokens, decoders (cache)
-                          --[rows, parents, tokens | dec_state]--> stage 1: reorder caches,
-                        decoders --> ... --> stage K-1: decoders, project, log_softmax, the
-                        search's step (apps.nmt.search) --[rows, parents, tokens]--> stage 0
-    steps of G=4 groups on K=2 stages, one column per turn (group.step)::
+    step t of group g:
+      stage 0: embed the newest tokens, decoder layers (cache)
+        --[rows, parents, tokens | decoder states]--> stage 1: reorder its caches by the
+        parents, decoder layers --> ... --> stage K-1: decoder layers, project, log_softmax,
+        the search's step --[rows, parents, tokens]--> stage 0: step t+1 of group g
 
-        stage 0 | 0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1 0.2 ...
-        stage 1 |     0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1 ...
+    turns of G=4 groups (group.step) on K=2 stages:
+      stage 0 | 0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1 0.2 ...
+      stage 1 |     0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1 ...
 
-Only the last stage holds the log-probabilities; it runs each group's search
+Only the last stage holds the log-probabilities [rows, vocab]; it runs each group's search
 (``apps.nmt.search.GreedySearch`` / ``BeamSearch``, the one-process code) and sends back just
-the decisions, the surviving rows' parent rows and new tokens, which travel round the ring with
-the decoder states (every stage reorders its caches by them, stage 0 embeds the tokens). A
-group's first round also carries its encoder states (its memory) down the stages. A group whose
-sentences are all finished gets a message of zero rows round the ring and leaves the rotation.
-At the end the last stage sends the hypotheses to every rank. Messages are point to point
-(``isend``/``irecv``), one tag per group and kind, each receive posted as soon as its size is
-known, and every wait bounded by the pipe's ``timeout_s``: a stage that fails or hangs is named
-(``gpipe_core.failure``), nothing hangs.
+its decisions, the surviving rows' parent rows and newest tokens, which then travel down the
+stages with the decoder states (each stage reorders its caches by them, stage 0 embeds the
+tokens). A group's first round also carries its encoder states down the stages. A finished
+group is sent round once more as zero rows and leaves every stage's rotation at the same point
+(its place goes to the next waiting batch). At the end the last stage sends the hypotheses to
+every rank. Messages are point to point (``isend``/``irecv``, one tag per group and kind), each
+receive posted as soon as its size is known, every wait bounded by the pipe's ``timeout_s``: a
+stage that fails or hangs is named (``gpipe_core.failure``), nothing hangs.
 
-The layers and the search are the plain model's, so a group's hypotheses and scores equal
-``apps.nmt.search.search_hypotheses(model, src_ids, groups=G)`` on the merged model bit for bit
-(the tests check it); with ``groups=1`` that is ``beam_search`` on the whole batch. A matrix
-product's last bits can depend on its number of rows (MKL's GEMM does), so the grouped and the
-whole-batch search may differ in the scores' last bits and, on a near tie, in a token. The
-messages are outside ``pipe.step``: call it between steps, on every rank of the pipeline group,
-with the pipe in eval mode (it sets and restores it).
+The layers and the search are the plain model's, so the hypotheses and scores equal the
+one-process search on the same groups bit for bit: ``search_hypotheses(model, src_ids,
+groups=G)`` (the tests check it; ``groups=1`` is ``beam_search`` on the whole batch). A
+matrix product's last bits can depend on its number of rows (MKL's GEMM does, for fewer than 4
+rows in float32 and for row counts not a multiple of 4 in float64), so a batch decoded in groups
+may differ from the whole batch in the scores' last bits and, on a near tie, in a token.
+``apps.nmt.evaluate.translate`` (translate and eval_bleu under torchrun) therefore hands every
+batch at once to :meth:`PipelineSearch.batches`, each batch its own group: the output is the
+one-process output, and the stages overlap whenever there are several batches. The messages
+are outside ``pipe.step``: call these between steps, on every rank of the pipeline group; they
+run the pipe in eval mode (and restore it).
 """
 
 from __future__ import annotations
