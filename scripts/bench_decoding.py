@@ -122,7 +122,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
 
     def single(beam: int, threads: int) -> Any:
         def run() -> None:
-            if rank == 0:
+            if plain is not None:  # rank 0
                 torch.set_num_threads(threads)
                 try:
                     results[(beam, f"single{threads}")] = search_hypotheses(
@@ -149,7 +149,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
         peaks[key] = memory(fn)
     exact: dict[tuple[int, str], bool | None] = {}
     for (beam, name) in configs:  # the pipeline's hypotheses = the one process's, same groups
-        if rank == 0 and name.startswith("G"):
+        if plain is not None and name.startswith("G"):
             want = search_hypotheses(plain, src, beam_size=beam, groups=int(name[1:]),
                                      **search_args)
             exact[(beam, name)] = results[(beam, name)] == want
@@ -175,7 +175,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             "peak_tensor_bytes_per_rank": [p for p, _ in per_rank],
             "peak_rss_mb_per_rank": [r for _, r in per_rank],
         })
-    if rank == 0:
+    if plain is not None:
         meta_info = {"balance": balance, "model_param_bytes": param_bytes(plain),
                      "model_parameters": sum(p.numel() for p in plain.parameters())}
         Path(root, "rows.json").write_text(json.dumps({"rows": rows, **meta_info}))
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--balance", type=int, nargs=2, default=None,
                         help="layers per stage (default: see default_balance)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after a warm one)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after a warm one)")
     parser.add_argument("--out", default="docs/reproduction/decoding.json")
     args = parser.parse_args()
     if args.rounds < 1:
