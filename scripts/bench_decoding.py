@@ -13,7 +13,7 @@ parameter bytes held, the peak of tensor memory the decoding itself allocated
 (``scripts.reproduction.LiveTensorBytes``: caches, activations, messages) and the peak resident
 memory (rank 0's includes the whole model it keeps for the one-process rows). Writes JSON.
 
-    python scripts/bench_decoding.py [--sentences 32 --num-layers 6 --d-model 256 ...]
+    python scripts/bench_decoding.py [--sentences 64 --num-layers 6 --d-model 256 ...]
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--sentences", type=int, default=32)
+    parser.add_argument("--sentences", type=int, default=64)
     parser.add_argument("--min-src", type=int, default=8)
     parser.add_argument("--max-src", type=int, default=24)
     parser.add_argument("--max-len", type=int, default=24, help="most tokens decoded")
