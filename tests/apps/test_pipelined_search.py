@@ -69,6 +69,7 @@ def decode_on_ranks(rank: int, world_size: int, dtype: torch.dtype, balances: li
 
 
 @pytest.mark.parametrize("world_size, balances", [
+    (1, [[6]]),  # one stage: no messages, the same rotation
     (2, [[3, 3], [4, 2]]),  # encoders | decoders; the first decoder on stage 0
     (4, [[1, 2, 2, 1], [2, 2, 1, 1]]),  # embed and project alone; a stage of both kinds
 ])
