@@ -35,10 +35,10 @@ from torch import Tensor, nn
 
 import gpipe_core as gp
 from apps.nmt.config import NMTConfig, build_model, replace
-from apps.nmt.model import DecoderLayer
 from apps.nmt.pipelined_search import pipelined_search_hypotheses
-from apps.nmt.search import Hypothesis, search_hypotheses
+from apps.nmt.search import BeamSearch, GreedySearch, Hypothesis, search_hypotheses
 from gpipe_core.materialize import materialize
+from gpipe_core.partition import optimal_balance
 from scripts.bench_pipeline import reset_peak_rss, rss_mb
 from scripts.reproduction import LiveTensorBytes
 
@@ -63,14 +63,45 @@ def sentences(args: argparse.Namespace, config: NMTConfig) -> Tensor:
     return src
 
 
-def default_balance(model: nn.Sequential) -> list[int]:
-    """Decoding time is in the decoder layers and the projection (with the search, about two
-    decoder layers' worth at the default size); stage 0 also encodes. Measured best at the
-    default size: half the decoder layers and the projection on the last stage, the embedding,
-    the encoder layers and the other decoder layers on stage 0."""
-    decoders = sum(isinstance(layer, DecoderLayer) for layer in model)
-    last = max(1, decoders // 2)  # decoder layers on the last stage
-    return [len(model) - 1 - last, last + 1]
+def decoding_balance(model: nn.Sequential, src: Tensor, *, beam: int,
+                     search_args: dict[str, Any]) -> list[int]:
+    """Layers per stage for decoding ``src`` with beam ``beam``: each layer's time in a
+    one-process decoding in K groups, after a warm one (its encode, decode steps, embedding or
+    projection; the
+    search's steps counted with the projection, whose stage runs them), split by
+    ``gpipe_core.partition.optimal_balance`` (contiguous, the slowest stage as fast as it can be). Greedy
+    decoding gets more decoder layers on the last stage than beam search: its encoding weighs
+    more beside its fewer decoded rows."""
+    seconds = [0.0] * len(model)
+
+    def timed_call(fn: Any, index: int) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[index] += time.perf_counter() - start
+        return call
+
+    patched: list[tuple[Any, str]] = []
+    for index, layer in enumerate(model):
+        for name in ("embed_source", "embed_target", "encode", "decode", "logits"):
+            if hasattr(layer, name):
+                setattr(layer, name, timed_call(getattr(layer, name), index))
+                patched.append((layer, name))
+    advances = {cls: cls.advance for cls in (GreedySearch, BeamSearch)}
+    for cls, advance in advances.items():
+        cls.advance = timed_call(advance, len(model) - 1)  # type: ignore[method-assign]
+    try:
+        for _ in range(2):  # the first warms the allocator and caches up
+            seconds[:] = [0.0] * len(model)
+            search_hypotheses(model, src, beam_size=beam, groups=K, **search_args)
+    finally:
+        for layer, name in patched:
+            delattr(layer, name)  # the class's method again
+        for cls, advance in advances.items():
+            cls.advance = advance  # type: ignore[method-assign]
+    return list(optimal_balance(seconds, K))
 
 
 def param_bytes(module: nn.Module) -> int:
@@ -108,15 +139,23 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
     src = sentences(args, config)
     search_args = dict(bos_id=config.bos_id, eos_id=config.eos_id, alpha=0.6,
                        max_len=args.max_len)
-    # the same weights in the pipeline and in the one-process model: per-layer seeds
-    meta = build_model(config, device="meta")
-    balance = args.balance or default_balance(meta)
-    pipe = gp.DistributedGPipe(meta, balance, chunks=1, loss_fn=lambda out, target: out.sum(),
-                               seed=SEED, timeout_s=300)
     plain = None
     if rank == 0:  # only rank 0 runs (and holds) the whole model
         plain = materialize(build_model(config, device="meta"), seed=SEED,
                             device=torch.device("cpu")).eval()
+    # a balance per beam (rank 0 measures it), and a pipeline of each: the same weights as the
+    # one-process model (per-layer seeds); a rank materializes only its own stage
+    balances: list[Any] = [None]
+    if plain is not None:
+        balances = [{beam: args.balance or decoding_balance(plain, src, beam=beam,
+                                                            search_args=search_args)
+                     for beam in args.beams}]
+    dist.broadcast_object_list(balances, src=0)
+    balance_of: dict[int, list[int]] = balances[0]
+    pipes = {beam: gp.DistributedGPipe(build_model(config, device="meta"), balance_of[beam],
+                                       chunks=1, loss_fn=lambda out, target: out.sum(),
+                                       seed=SEED, timeout_s=300)
+             for beam in args.beams}
 
     results: dict[tuple[int, str], list[Hypothesis]] = {}
 
@@ -134,7 +173,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
     def piped(beam: int, groups: int) -> Any:
         def run() -> None:
             results[(beam, f"G{groups}")] = pipelined_search_hypotheses(
-                pipe, src, pad_id=config.pad_id, beam_size=beam, groups=groups, **search_args)
+                pipes[beam], src, pad_id=config.pad_id, beam_size=beam, groups=groups, **search_args)
         return run
 
     configs: dict[tuple[int, str], Any] = {}
@@ -161,12 +200,13 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
     for (beam, name), samples in times.items():
         per_rank: list[Any] = [None] * K
         dist.all_gather_object(per_rank, peaks[(beam, name)])
-        held = param_bytes(pipe)
+        held = param_bytes(pipes[beam])
         held_per_rank: list[Any] = [None] * K
         dist.all_gather_object(held_per_rank, held)
         hypotheses = results[(beam, name)] if rank == 0 else []
         rows.append({
-            "beam": beam, "config": name, "seconds": statistics.median(samples),
+            "beam": beam, "config": name, "balance": balance_of[beam],
+            "seconds": statistics.median(samples),
             "samples": samples,
             "generated_tokens": sum(len(h.tokens) for h in hypotheses),
             "exact_vs_one_process_same_groups": exact.get((beam, name)),
@@ -176,7 +216,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             "peak_rss_mb_per_rank": [r for _, r in per_rank],
         })
     if plain is not None:
-        meta_info = {"balance": balance, "model_param_bytes": param_bytes(plain),
+        meta_info = {"balance_per_beam": {str(b): v for b, v in balance_of.items()},
+                     "model_param_bytes": param_bytes(plain),
                      "model_parameters": sum(p.numel() for p in plain.parameters())}
         Path(root, "rows.json").write_text(json.dumps({"rows": rows, **meta_info}))
     dist.destroy_process_group()
@@ -197,7 +238,7 @@ def main() -> None:
     parser.add_argument("--beams", type=int, nargs="+", default=[4, 1], help="1 = greedy")
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--balance", type=int, nargs=2, default=None,
-                        help="layers per stage (default: see default_balance)")
+                        help="layers per stage (default: measured, see decoding_balance)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after a warm one)")
     parser.add_argument("--out", default="docs/reproduction/decoding.json")
     args = parser.parse_args()
@@ -225,7 +266,8 @@ def main() -> None:
     print(f"model: {report['model_parameters'] / 1e6:.1f}M parameters ({mb:.1f} MB), "
           f"{args.num_layers}+{args.num_layers} layers d={args.d_model} vocab {args.vocab}; "
           f"{args.sentences} sentences of {args.min_src}-{args.max_src} tokens, max_len "
-          f"{args.max_len}; pipeline K={K}, balance {report['balance']}, 1 thread per rank")
+          f"{args.max_len}; pipeline K={K}, balance per beam {report['balance_per_beam']}, "
+          "1 thread per rank")
     print(f"{'beam':>4} {'config':<8}{'s':>8}{'sent/s':>9}{'vs 1thr':>9}{'vs 2thr':>9}"
           f"{'exact':>7}{'params MB/rank':>16}{'tensor MB/rank':>16}{'RSS MB/rank':>13}")
     for r in rows:
