@@ -3,8 +3,8 @@ running only its own stage's layers, with a key/value cache per decoder layer on
 groups of sentences in flight so that all stages work at once.
 
 Every rank of the pipeline calls :func:`pipelined_beam_search` with the same source batch. The
-batch is split into G groups of consecutive sentences (``groups=``; default twice the number of
-stages, at most one per sentence), each with its own search state and caches; or
+batch is split into G groups of consecutive sentences (``groups=``; default one per stage, at
+most one per sentence), each with its own search state and caches; or
 :func:`pipelined_search_batches` takes several batches, each its own group, ``in_flight`` at a
 time. A group goes round a ring of the stages, one decoding step per round, and the groups
 follow each other round it, so while stage s+1 computes group g, stage s computes group g+1::
@@ -15,9 +15,9 @@ follow each other round it, so while stage s+1 computes group g, stage s compute
         parents, decoder layers --> ... --> stage K-1: decoder layers, project, log_softmax,
         the search's step --[rows, parents, tokens]--> stage 0: step t+1 of group g
 
-    turns of G=4 groups (group.step) on K=2 stages:
-      stage 0 | 0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1 0.2 ...
-      stage 1 |     0.0 1.0 2.0 3.0 0.1 1.1 2.1 3.1 ...
+    turns of G=2 groups (group.step) on K=2 stages:
+      stage 0 | 0.0 1.0 0.1 1.1 0.2 1.2 ...
+      stage 1 |     0.0 1.0 0.1 1.1 0.2 ...
 
 Only the last stage holds the log-probabilities [rows, vocab]; it runs each group's search
 (``apps.nmt.search.GreedySearch`` / ``BeamSearch``, the one-process code) and sends back just
@@ -67,7 +67,8 @@ if TYPE_CHECKING:
     from apps.nmt.config import NMTConfig
     from apps.nmt.evaluate import LoadedCheckpoint
 
-__all__ = ["PipelineSearch", "default_groups", "load_pipeline", "pipeline_search",
+__all__ = ["PipelineSearch", "default_groups", "default_in_flight", "load_pipeline",
+           "pipeline_search",
            "pipelined_beam_search", "pipelined_search_batches", "pipelined_search_hypotheses"]
 
 # Message kinds; a message's tag is _TAG_BASE + 4 * group + kind (above gpipe_core.transport's
@@ -81,9 +82,16 @@ def _tag(group: int, kind: int) -> int:
 
 
 def default_groups(num_stages: int, batch_size: int) -> int:
-    """Groups when none are given: twice the stages (one group on every stage and as many on
-    their way), at most one per sentence."""
-    return max(1, min(2 * num_stages, batch_size))
+    """Groups a batch is split into when none are given: one per stage (every stage busy), at
+    most one per sentence. More groups hide more message latency but make smaller matrix
+    products and more turns: at K=2, 2 groups were fastest (``make bench-decoding``)."""
+    return max(1, min(num_stages, batch_size))
+
+
+def default_in_flight(num_stages: int, num_batches: int) -> int:
+    """Whole batches decoded at a time when none is given: two per stage (one on every stage
+    and as many on their way; a batch is not made smaller by it), at most all of them."""
+    return max(1, min(2 * num_stages, num_batches))
 
 
 @dataclass
@@ -396,13 +404,13 @@ def pipelined_search_batches(
     in_flight: int | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode several padded batches ``(src_ids [B,S], max_len)`` through the pipeline, each
-    batch its own group, ``in_flight`` of them at a time (default :func:`default_groups` of
-    the stages): a finished batch's place in the rotation goes to the next one. Each batch's
+    batch its own group, ``in_flight`` of them at a time (default :func:`default_in_flight`): a finished batch's place in the rotation goes to the next one. Each batch's
     hypotheses equal the one-process search of that batch (``search_hypotheses``) bit for bit.
     Collective over the pipeline group; every rank passes the same arguments and gets the same
     hypotheses (per batch, per sentence).
     """
-    in_flight = default_groups(pipe.num_stages, len(batches)) if in_flight is None else in_flight
+    in_flight = (default_in_flight(pipe.num_stages, len(batches)) if in_flight is None
+                 else in_flight)
     if in_flight < 1:
         raise ValueError(f"in_flight={in_flight} must be >= 1")
     was_training = pipe.training

@@ -270,11 +270,11 @@ def test_pipelined_decoding_gives_the_single_process_hypotheses(
     sentences, _ = load_eval_sentences(corpus, "test", ["de", "ru"], max_per_lang=3,
                                        pad_id=config.pad_id)
     src_ids = _pad([s.src_ids for s in sentences], config.pad_id, torch.device("cpu"))
-    # groups=1: the whole batch at once; None: 4 groups (2 x 2 stages), as one process
-    # decodes them with groups=4 (tests/apps/test_pipelined_search.py has the rest)
+    # groups=1: the whole batch at once; None: 2 groups (one per stage), as one process
+    # decodes them with groups=2 (tests/apps/test_pipelined_search.py has the rest)
     expected = {(beam, groups): beam_search(loaded.model, src_ids, bos_id=config.bos_id,
                                             eos_id=config.eos_id, beam_size=beam, alpha=0.6,
-                                            max_len=12, groups=groups or 4)
+                                            max_len=12, groups=groups or 2)
                 for beam in (1, 2) for groups in (1, None)}
     assert any(len(ids) > 1 for ids in expected[(1, 1)])
     checkpoint = resolve_checkpoint(nmt_run, train_command="")

@@ -81,7 +81,7 @@ def test_grouped_pipelined_search_gives_the_one_process_hypotheses_and_scores(
     expected = {}
     for beam in BEAMS:
         for group_count in groups:
-            count = min(2 * world_size, 7) if group_count is None else group_count
+            count = min(world_size, 7) if group_count is None else group_count
             expected[(beam, group_count)] = search_hypotheses(
                 model, src, bos_id=BOS, eos_id=EOS, beam_size=beam, alpha=0.6, max_len=MAX_LEN,
                 groups=count)
