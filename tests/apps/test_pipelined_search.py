@@ -136,3 +136,31 @@ def test_a_failing_stage_is_named_and_nothing_hangs(tmp_path: Path) -> None:
     results = launch.spawn(fail_on_the_last_stage, 2, tmp_path, timeout_s=120)
     assert results[1] == "ValueError: broken projection"
     assert results[0].startswith("PipelineFailure: ") and "broken projection" in results[0]
+
+
+def one_stage_stays_silent(rank: int, world_size: int) -> str:
+    import time
+
+    from apps.nmt.pipelined_search import pipelined_search_hypotheses
+    from gpipe_core import DistributedGPipe, PipelineFailure
+
+    pipe = DistributedGPipe(tiny_model(torch.float32), [3, 3], chunks=1,
+                            loss_fn=lambda out, target: out.sum(), timeout_s=3)
+    if rank == 1:  # alive, but never decodes
+        time.sleep(12)
+        return "silent"
+    start = time.monotonic()
+    try:
+        pipelined_search_hypotheses(pipe, sources(), pad_id=PAD, bos_id=BOS, eos_id=EOS,
+                                    beam_size=2, max_len=MAX_LEN, groups=2)
+    except PipelineFailure as failure:
+        return f"{time.monotonic() - start:.0f} s: {failure}"
+    return "no error"
+
+
+def test_a_silent_stage_times_out_instead_of_hanging(tmp_path: Path) -> None:
+    results = launch.spawn(one_stage_stays_silent, 2, tmp_path, timeout_s=120)
+    assert results[1] == "silent"
+    seconds, message = results[0].split(" s: ", 1)
+    assert int(seconds) < 10, results[0]
+    assert "rank 0 (stage 0) in pipelined decoding" in message and "stage 1" in message
