@@ -10,7 +10,7 @@ ARGS ?=
 
 .PHONY: install test test-fast lint smoke train-nmt eval-nmt translate train-amoebanet \
         eval-amoebanet classify \
-        bench bench-overhead bench-pipeline reproduce-stability reproduce-depth-width \
+        bench bench-overhead bench-pipeline bench-decoding reproduce-stability reproduce-depth-width \
         reproduce-memory reproduce-throughput reproduce-app-pipelines demo-large-nmt clean
 
 install: $(STAMP)
@@ -64,7 +64,12 @@ bench-overhead: install
 bench-pipeline: install
 	$(PY) scripts/bench_pipeline.py
 
-bench: bench-overhead bench-pipeline
+# Pipelined NMT decoding (K=2, G groups in flight) against one process with 1 and 2 threads;
+# writes docs/reproduction/decoding.json (about 2 minutes on 2 idle cores).
+bench-decoding: install
+	$(PY) scripts/bench_decoding.py $(ARGS)
+
+bench: bench-overhead bench-pipeline bench-decoding
 
 # The paper's NMT findings at CPU scale (docs/REPRODUCTION.md): the 128-layer model with and
 # without its stability fixes (~50 min), and deep against wide against small (~70 min).

@@ -249,12 +249,23 @@ def translate(
     """Detokenized beam-search translations of ``sentences`` (in their order), in batches of
     similar length. Output length is bounded by ``max_decode_len`` and by twice the source
     length plus 8. ``search(src_ids, max_len)``, when given, decodes a padded batch instead of
-    ``beam_search`` on ``model`` (e.g. through a pipeline: ``apps.nmt.pipelined_search``).
+    ``beam_search`` on ``model`` (e.g. through a pipeline: ``apps.nmt.pipelined_search``); a
+    search with a ``batches([(src_ids, max_len), ...])`` method gets every batch at once (the
+    pipeline decodes several at a time, each as its own batch, so the result is the same).
     """
     groups = _batches_by_length(
         sentences, max_src_tokens=max_src_tokens, max_sentences=max_sentences
     )
     translations: dict[int, str] = {}
+    batches = getattr(search, "batches", None)
+    if batches is not None:
+        padded = [_pad([sentences[i].src_ids for i in group], tokenizer.pad_id, device)
+                  for group in groups]
+        decoded = batches([(src, min(max_decode_len, 2 * src.shape[1] + 8)) for src in padded])
+        for group, ids in zip(groups, decoded, strict=True):
+            for index, hypothesis in zip(group, ids, strict=True):
+                translations[index] = tokenizer.decode(hypothesis)
+        return [translations[i] for i in range(len(sentences))]
     for group in groups:
         src = _pad([sentences[i].src_ids for i in group], tokenizer.pad_id, device)
         max_len = min(max_decode_len, 2 * src.shape[1] + 8)

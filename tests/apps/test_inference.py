@@ -251,11 +251,11 @@ def pipelined_hypotheses(rank: int, world_size: int, checkpoint: str, src_ids: t
     pipe = DistributedGPipe(build_model(config, device="meta"), balance, chunks=1,
                             loss_fn=lambda out, target: out.sum())
     pipe.load_checkpoint(checkpoint)
-    return {beam: pipelined_beam_search(pipe, src_ids, vocab_size=config.vocab_size,
-                                        pad_id=config.pad_id, bos_id=config.bos_id,
-                                        eos_id=config.eos_id, beam_size=beam, alpha=0.6,
-                                        max_len=12)
-            for beam in (1, 2)}
+    return {(beam, groups): pipelined_beam_search(
+                pipe, src_ids, vocab_size=config.vocab_size, pad_id=config.pad_id,
+                bos_id=config.bos_id, eos_id=config.eos_id, beam_size=beam, alpha=0.6,
+                max_len=12, groups=groups)
+            for beam in (1, 2) for groups in (1, None)}
 
 
 def test_pipelined_decoding_gives_the_single_process_hypotheses(
@@ -270,10 +270,13 @@ def test_pipelined_decoding_gives_the_single_process_hypotheses(
     sentences, _ = load_eval_sentences(corpus, "test", ["de", "ru"], max_per_lang=3,
                                        pad_id=config.pad_id)
     src_ids = _pad([s.src_ids for s in sentences], config.pad_id, torch.device("cpu"))
-    expected = {beam: beam_search(loaded.model, src_ids, bos_id=config.bos_id,
-                                  eos_id=config.eos_id, beam_size=beam, alpha=0.6, max_len=12)
-                for beam in (1, 2)}
-    assert any(len(ids) > 1 for ids in expected[1])
+    # groups=1: the whole batch at once; None: 2 groups (one per stage), as one process
+    # decodes them with groups=2 (tests/apps/test_pipelined_search.py has the rest)
+    expected = {(beam, groups): beam_search(loaded.model, src_ids, bos_id=config.bos_id,
+                                            eos_id=config.eos_id, beam_size=beam, alpha=0.6,
+                                            max_len=12, groups=groups or 2)
+                for beam in (1, 2) for groups in (1, None)}
+    assert any(len(ids) > 1 for ids in expected[(1, 1)])
     checkpoint = resolve_checkpoint(nmt_run, train_command="")
     layers = 2 * config.num_layers + 2
     # embed alone on stage 0; encoders | decoders; the first decoder on stage 0; project alone
