@@ -65,9 +65,10 @@ DEMO = {
     "eval_max_sentences": 100, "beam_size": 4, "max_decode_len": 32, "log_every": 1,
     # the evaluation's worst case: a length penalty this strong keeps beam search from ending
     # the untrained model's hypotheses early, so every sentence decodes max_decode_len tokens
-    # and the key/value caches reach their largest; beam-search batches of 128 source tokens
-    # bound them (with 512, stage 1 went over the budget; the default 2048 is far over it)
-    "length_penalty": 2.0, "eval_batch_tokens": 128,
+    # and the key/value caches reach their largest; beam-search batches of 64 source tokens
+    # bound them: the pipeline decodes 2 x stages = 4 batches at a time, 256 tokens (with
+    # 4 x 128, stage 1 went over the budget; the default 2048 is far over it)
+    "length_penalty": 2.0, "eval_batch_tokens": 64,
     "hold_memory": "false",  # freed blocks go back to the system, as the budget counts them
     "max_positions": 512,  # dev sentences are not length-filtered (positions cost nothing)
     "wandb_mode": "disabled",

@@ -119,7 +119,8 @@ class NMTConfig:
     eval_max_sentences: int = 300  # dev sentences per language in evaluations (also the final)
     # source tokens (padding included) per beam-search batch: decoding keeps the memory's keys
     # and values per beam, eval_batch_tokens x beam_size x num_heads x head_dim x 8 bytes per
-    # decoder layer (a pipeline stage, its own layers'); the scores do not depend on it
+    # decoder layer (a pipeline stage, its own layers', for each of the 2 x stages batches it
+    # decodes at a time); the scores do not depend on it
     eval_batch_tokens: int = 2048
 
     @property
