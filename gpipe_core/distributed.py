@@ -129,6 +129,7 @@ class DistributedGPipe(StepCounter, nn.Module):
                 "'interleaved_zb', 'zb_v' or 'dualpipe_v')"
             )
         self.schedule_name = schedule
+        self._schedules: dict[int, Schedule] = {}
         self._policy = policy_for(dist.get_backend(group))
         # The rank of every stage (the schedule's placement); also checks the schedule fits.
         self.placement = self.schedule(chunks).placement
@@ -222,6 +223,11 @@ class DistributedGPipe(StepCounter, nn.Module):
         return self.num_stages - 1 in self.stage_indices
 
     def schedule(self, num_microbatches: int) -> Schedule:
+        """The checked schedule for ``num_microbatches``, built once per micro-batch count
+        (every step asks; greedy schedules such as ZB-V take milliseconds to build)."""
+        cached = self._schedules.get(num_microbatches)
+        if cached is not None:
+            return cached
         name = self.schedule_name
         chosen = name(self.num_stages, num_microbatches) if callable(name) else name
         schedule = get_schedule(chosen, self.num_stages, num_microbatches,
@@ -234,6 +240,7 @@ class DistributedGPipe(StepCounter, nn.Module):
                              f"{list(schedule.placement)} for {num_microbatches} micro-batches, "
                              "unlike the pipeline was built with; a schedule factory must keep "
                              "the placement for every micro-batch count")
+        self._schedules[num_microbatches] = schedule
         return schedule
 
     # -- one training step -----------------------------------------------------------------

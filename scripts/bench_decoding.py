@@ -39,7 +39,7 @@ from apps.nmt.pipelined_search import pipelined_search_hypotheses
 from apps.nmt.search import BeamSearch, GreedySearch, Hypothesis, search_hypotheses
 from gpipe_core.materialize import materialize
 from gpipe_core.partition import optimal_balance
-from scripts.bench_pipeline import reset_peak_rss, rss_mb
+from scripts.bench_pipeline import reset_peak_rss, rss_mb, timed_step
 from scripts.reproduction import LiveTensorBytes
 
 K = 2
@@ -107,16 +107,6 @@ def decoding_balance(model: nn.Sequential, src: Tensor, *, beam: int,
 
 def param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def timed(fn: Any) -> float:
-    """Seconds of ``fn`` on every rank: a decoding lasts as long as its slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
 
 
 def memory(fn: Any) -> tuple[int, float | None]:
@@ -195,7 +185,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
             exact[(beam, name)] = results[(beam, name)] == want
     for _ in range(args.rounds):
         for key, fn in configs.items():
-            times[key].append(timed(fn))
+            times[key].append(timed_step(fn))
 
     rows = []
     for (beam, name), samples in times.items():

@@ -17,6 +17,7 @@ from tests.distributed.test_pipeline import (
     build,
     build_tied,
     check_against_reference,
+    check_dropout_against_gpipe,
     loss_fn,
     loss_fn_tied,
     make_batch,
@@ -63,17 +64,7 @@ def test_dropout_masks_equal_single_process_gpipe_with_virtual_stages(
     tmp_path: Path, schedule: str
 ) -> None:
     per_rank = spawn(run_dropout, 2, tmp_path, [2, 2, 2, 2], schedule, "except_last")
-    torch.manual_seed(0)
-    pipe = gp.GPipe(build(p=0.3), [2, 6], chunks=4, seed=77, checkpoint="never")
-    (x, mask), y = make_batch(0, n=8)
-    out = pipe((x, mask))
-    loss = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(4), y.tensor_split(4), strict=False)) / 4
-    loss.backward()
-    grads = dict(pipe.named_parameters())
-    for got_loss, got in per_rank:
-        assert got_loss == pytest.approx(float(loss), abs=TOL)
-        for name, grad in got.items():
-            torch.testing.assert_close(grad, grads[name].grad, rtol=0, atol=TOL)
+    check_dropout_against_gpipe(per_rank)
 
 
 def run_layout(rank: int, world: int, schedule: str, directory: str) -> Any:
