@@ -5,7 +5,7 @@ from .cpu import bind_cpus, hold_freed_memory
 from .distributed import DistributedGPipe
 from .failure import PipelineFailure, collectives, report_failure
 from .gpipe import GPipe
-from .groups import init_process_groups
+from .groups import group_timeout_s, init_process_groups
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import Plan, plan
@@ -30,6 +30,7 @@ __all__ = [
     "GPipe",
     "DistributedGPipe",
     "PipelineFailure",
+    "group_timeout_s",
     "init_process_groups",
     "collectives",
     "report_failure",

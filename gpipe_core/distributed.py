@@ -16,7 +16,8 @@ construction and tied weights work as with one stage per rank.
 
 With a data-parallel group as well (pipeline x data parallel), gradients are averaged over the
 replicas of each stage after the pipeline's backward. If any rank fails, the others stop within
-``timeout_s`` seconds with an error naming the rank and stage that failed first.
+``timeout_s`` seconds (the pipeline group's timeout unless given) plus the few seconds it takes
+to name the rank and stage that failed first (``failure.NAMING_S``).
 """
 
 
@@ -31,9 +32,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .batchnorm import DeferredBatchNorm
-from .failure import peer_failure, report_failure
+from .failure import PipelineFailure, collectives, peer_failure, report_failure
 from .gradients import average_gradients, clip_grad_norm
-from .groups import default_device
+from .groups import default_device, group_timeout_s
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import split_module, verify_module
@@ -78,7 +79,9 @@ class DistributedGPipe(StepCounter, nn.Module):
         tied: ``(first_stage_param_name, last_stage_param_name)``: one weight shared by the
             first and last stage (e.g. embedding and output projection); kept equal, with
             gradients summed across the tie.
-        timeout_s: how long a rank waits for a neighbour before declaring it failed.
+        timeout_s: how long a rank waits for a neighbour before declaring it failed (default:
+            the pipeline group's own timeout, :func:`~gpipe_core.groups.group_timeout_s`, so one
+            number, ``init_process_groups(timeout_s=...)``, bounds messages and collectives).
         record: keep a per-action timeline for :meth:`trace`.
     """
 
@@ -99,7 +102,7 @@ class DistributedGPipe(StepCounter, nn.Module):
         deferred_batch_norm: bool = False,
         tied: tuple[str, str] | None = None,
         init_fn: InitFn | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float | None = None,
         record: bool = False,
     ) -> None:
         super().__init__()
@@ -142,6 +145,10 @@ class DistributedGPipe(StepCounter, nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.loss_reduction = loss_reduction
+        if timeout_s is None:
+            timeout_s = group_timeout_s(group)
+        if not timeout_s > 0 or timeout_s == float("inf"):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.timeout_s = timeout_s
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self.device = torch.device(device) if device is not None else default_device()
@@ -354,13 +361,20 @@ class DistributedGPipe(StepCounter, nn.Module):
         for stage in self.stages:
             stage.discard(step)
         try:
-            if not train:
-                dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
-            if train:
-                if self._tied is not None:
-                    self._tied.reduce_gradient()
-                if self.data_parallel_group is not None:
-                    average_gradients(list(self.parameters()), self.data_parallel_group)
+            if train and self._tied is not None:  # point to point, over the transport
+                self._tied.reduce_gradient()
+            # Collectives: every rank of the world enters this block (or none does), so a rank
+            # that hangs or died before it is named by those waiting in it (failure.collectives)
+            if not train or self.data_parallel_group is not None:
+                what = (f"the loss broadcast of evaluation {-step}" if not train else
+                        f"the data-parallel gradient average of step {step + 1}")
+                with collectives(what):
+                    if not train:
+                        dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
+                    else:
+                        average_gradients(list(self.parameters()), self.data_parallel_group)
+        except PipelineFailure:
+            raise
         except RuntimeError as exc:  # a peer died between our last message and the collective
             raise PeerError(-1, -1, f"collective after the step failed ({exc})") from exc
         return loss, outputs

@@ -4,6 +4,11 @@ The first rank that fails records its error under one store key (``report_failur
 that then fail waiting on it quote that record instead of their own timeout. Around blocks of
 collectives (``collectives``) every rank also records which block it entered, so a rank that
 hangs or died before a block is named by the ranks that wait in it.
+
+The bound: every wait of a pipeline (a message, a collective) ends after the process group's
+timeout; naming the failed rank then takes at most ``NAMING_S`` seconds more (waiting for a rank
+that raised to record its error, or for the marks of ranks that time out a moment later). So a
+rank whose peer died or hangs raises :class:`PipelineFailure` within ``timeout_s + NAMING_S``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["PipelineFailure", "collectives", "first_failure", "report_failure", "default_store"]
+__all__ = ["NAMING_S", "PipelineFailure", "collectives", "first_failure", "report_failure",
+           "default_store"]
 
 
 class PipelineFailure(RuntimeError):
@@ -35,6 +41,7 @@ def default_store() -> Any:
 _FAILURE_KEY = "gpipe/first_failure"
 _MARK_KEY = "gpipe/mark/{rank}"  # the `collectives` block each rank last entered (or failed in)
 _sections = itertools.count()  # blocks entered by this process, in order
+NAMING_S = 5.0  # the most a failing rank spends, after its wait timed out, naming who failed
 _GRACE_S = 2.0  # how long a failing rank waits for others' marks to settle before naming them
 
 
@@ -184,7 +191,12 @@ def peer_failure(where: str, error: BaseException, timeout_s: float) -> Pipeline
     """The error a rank raises when a neighbour stopped answering: the recorded first failure
     of the run if some rank reported one within a few seconds, else ``error`` itself."""
     store = default_store()
-    first = first_failure(store, 5) if store is not None else None
+    # After a timeout, a peer that raised has long since recorded its error: a short look is
+    # enough. A closed connection may come a moment before the record (the peer records, then
+    # exits; we may notice the exit first): wait for it, up to NAMING_S.
+    timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+    wait_s = 0.5 if timed_out else NAMING_S
+    first = first_failure(store, wait_s) if store is not None else None
     if first:
         return PipelineFailure(f"{where} stops: the pipeline failed at {first}")
     return PipelineFailure(

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .cpu import bind_cpus, hold_freed_memory
 
-__all__ = ["init_process_groups", "default_device"]
+__all__ = ["init_process_groups", "default_device", "group_timeout_s"]
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -61,7 +61,16 @@ def init_process_groups(
     ``pin_cpus``: first give each local rank its own share of the CPU cores
     (:func:`~gpipe_core.bind_cpus`); ``hold_memory``: keep freed blocks mapped
     (:func:`~gpipe_core.hold_freed_memory`). Both are worth it when stages compute on the CPU.
+
+    ``timeout_s`` bounds every wait: the default group's collectives and both groups built here
+    (``new_group`` without a timeout would wait torch's default, 30 minutes with gloo), and the
+    pipeline's point-to-point messages, since :class:`~gpipe_core.DistributedGPipe` takes its
+    timeout from its group (:func:`group_timeout_s`). A rank whose peer stops answering fails
+    within ``timeout_s`` plus at most :data:`~gpipe_core.failure.NAMING_S` seconds, spent finding
+    out which rank failed so that the error can name it.
     """
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
     if not dist.is_initialized() and not all(k in os.environ for k in _TORCHRUN_ENV):
         missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
         raise RuntimeError(
@@ -88,15 +97,17 @@ def init_process_groups(
         )
     replicas = world // num_stages
     pipeline_group = data_group = None
-    # new_group must be called by every rank for every group, in the same order.
+    # new_group must be called by every rank for every group, in the same order; each gets the
+    # same bound as the default group (torch's default for a new group is 30 minutes).
+    timeout = datetime.timedelta(seconds=timeout_s)
     for replica in range(replicas):
         ranks = list(range(replica * num_stages, (replica + 1) * num_stages))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             pipeline_group = group
     for stage in range(num_stages):
         ranks = [replica * num_stages + stage for replica in range(replicas)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             data_group = group
     return pipeline_group, data_group
@@ -107,3 +118,19 @@ def default_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def group_timeout_s(group: Any = None) -> float:
+    """The timeout, in seconds, of ``group``'s collectives (default: the whole world's).
+
+    It is the bound the group was created with (``init_process_groups(timeout_s=...)``,
+    ``dist.init_process_group(timeout=...)`` or ``dist.new_group(timeout=...)``), read back from
+    the process group itself so that callers never keep a second copy of it.
+    """
+    pg: Any = group if group is not None else dist.group.WORLD
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    try:
+        timeout = pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # an unusual backend: torch's default for it
+        timeout = dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
+    return float(timeout.total_seconds())

@@ -137,7 +137,7 @@ def evaluate_pipelined(
     pipe = gp.DistributedGPipe(
         model, list(balance), chunks=config.chunks, schedule="gpipe", loss_fn=loss_fn,
         group=run.pipeline_group, data_parallel_group=run.data_group if run.num_replicas > 1
-        else None, device=run.device, seed=config.seed, timeout_s=config.timeout_s,
+        else None, device=run.device, seed=config.seed,
     )
     del model
     pipe.load_checkpoint(checkpoint)  # this stage's keys only

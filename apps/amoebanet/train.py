@@ -271,7 +271,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         device=device,
         seed=config.seed,
         deferred_batch_norm=True,  # per-micro-batch statistics, mini-batch running statistics
-        timeout_s=config.timeout_s,
     )
     del model
     set_quiet_io(pipe, config.quiet_io)

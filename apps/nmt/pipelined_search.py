@@ -553,8 +553,7 @@ def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
     model = build_model(config, device="meta")
     balance = saved_balance(loaded.path, num_stages) or gp.balance_by_params(model, num_stages)
     pipe = gp.DistributedGPipe(model, balance, chunks=1, loss_fn=_no_loss, device=run.device,
-                               group=run.pipeline_group, seed=config.seed,
-                               timeout_s=config.timeout_s)
+                               group=run.pipeline_group, seed=config.seed)
     pipe.load_checkpoint(loaded.path)
     return pipe, run
 

@@ -290,8 +290,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         data_parallel_group=run.data_group if num_replicas > 1 else None,
         device=device,
         seed=config.seed,
-        timeout_s=config.timeout_s,
-    )
+    )  # its timeout is the pipeline group's: config.timeout_s, given to setup_run
     set_quiet_io(pipe, config.quiet_io)
     optimizer = make_optimizer(config, list(pipe.parameters()))
     autocast = (

@@ -120,3 +120,58 @@ def run_own_error(rank: int, world: int) -> Any:
 def test_an_error_in_the_block_itself_is_not_blamed_on_a_peer(tmp_path: Path) -> None:
     results = spawn(run_own_error, 2, tmp_path, pg_timeout_s=PG_TIMEOUT_S, timeout_s=60)
     assert results == [("RuntimeError", "shape mismatch in my own code")] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Every kind of wait inside a pipeline is bounded by init_process_groups(timeout_s=...): a rank
+# stopped by SIGSTOP is named by its peer within timeout_s + NAMING_S. The world group of these
+# processes waits 120 s, so a wait on any group built without the bound could not pass.
+
+GROUP_TIMEOUT_S = 3.0
+
+
+def run_stopped_rank(rank: int, world: int, where: str, report: str) -> None:
+    import os
+    import signal
+
+    num_stages = 1 if where == "data-parallel average" else 2
+    pipeline_group, data_group = gp.init_process_groups(num_stages, timeout_s=GROUP_TIMEOUT_S)
+    pids = [0] * world
+    dist.all_gather_object(pids, os.getpid())
+    balance = [4] if num_stages == 1 else [2, 2]
+    pipe = gp.DistributedGPipe(build(), balance, chunks=2, loss_fn=loss_fn, group=pipeline_group,
+                               data_parallel_group=data_group if num_stages == 1 else None)
+    assert pipe.timeout_s == GROUP_TIMEOUT_S  # one number bounds messages and collectives
+    inputs, targets = torch.randn(4, 4), torch.randn(4, 2)
+    pipe.step(inputs, targets)
+    pipe.clip_grad_norm_(1.0)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has named it
+    begin = time.monotonic()
+    try:
+        if where in ("message", "data-parallel average"):
+            pipe.step(inputs, targets)
+        elif where == "clip_grad_norm_":
+            pipe.clip_grad_norm_(1.0)
+        elif where == "evaluation loss":
+            pipe.evaluate(inputs, targets)
+        message = None
+    except gp.PipelineFailure as failure:
+        message = str(failure)
+    waited = time.monotonic() - begin
+    Path(report).write_text(json.dumps({"message": message, "waited": waited}))
+    os.kill(pids[1], signal.SIGKILL)
+
+
+@pytest.mark.parametrize("where", ["message", "clip_grad_norm_", "data-parallel average",
+                                   "evaluation loss"])
+def test_a_stopped_rank_is_named_within_the_groups_bound(tmp_path: Path, where: str) -> None:
+    report = tmp_path / "rank0.json"
+    codes = spawn(run_stopped_rank, 2, tmp_path / "run", where, str(report), pg_timeout_s=120,
+                  timeout_s=90, expect_failure=True)
+    assert codes[0][0] == 0, codes[0][1]
+    result = json.loads(report.read_text())
+    assert result["message"] is not None and "rank 1" in result["message"], result
+    assert result["message"].startswith("rank 0"), result
+    # the bound: the group's timeout, then at most NAMING_S to name the rank (plus scheduling)
+    assert GROUP_TIMEOUT_S <= result["waited"] < GROUP_TIMEOUT_S + gp.failure.NAMING_S + 1.0, result
