@@ -82,9 +82,13 @@ class AmoebaNetConfig:
     min_lr: float = 1e-5  # floor of the schedule
     decay_epochs: float = 2.4  # "step" scheduler: epochs between decays (exponential decay)
     decay_rate: float = 0.97  # "step" scheduler: factor per decay
-    epochs: int = 6  # full passes over the training split (length of the lr schedule)
+    epochs: int = 6  # the most passes over the training split (the lr schedule's length unless a budget or train_steps makes it shorter)
+    # the run's length in optimizer steps, and so the lr schedule's: 0 = fitted to budget_minutes
+    # from the speed of the first steps (apps/budget.py), or epochs x steps per epoch without one
+    train_steps: int = 0
+    budget_minutes: float = 0.0  # the whole run's time (data, training, final evaluation) that train_steps is fitted to; 0 = none
     max_loss_factor: float = 1000.0  # stop as diverged when the loss exceeds this many times ln(num_classes), a uniform guess's loss (0 = never)
-    max_minutes: float = 30.0  # wall-clock budget (0 = none); when spent, stop and evaluate
+    max_minutes: float = 0.0  # a hard stop (0 = none): cuts the lr schedule short, and says so; budget_minutes is the way to fit a time
     seed: int = 0  # seeds data order, augmentation and initialisation
 
     # --- logging and checkpoints -------------------------------------------------------------
@@ -121,7 +125,7 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be positive")
     for key in ("num_workers", "eval_every_epochs", "ckpt_every", "max_minutes",
-                "max_loss_factor"):
+                "max_loss_factor", "train_steps", "budget_minutes"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
     if (config.mixup > 0 or config.cutmix > 0) and config.batch_size % 2:
@@ -161,15 +165,17 @@ def optimizer_kwargs(config: AmoebaNetConfig) -> dict[str, Any]:
     return kwargs
 
 
-def scheduler_kwargs(config: AmoebaNetConfig, updates_per_epoch: int) -> dict[str, Any]:
+def scheduler_kwargs(config: AmoebaNetConfig, updates_per_epoch: int,
+                     train_steps: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``timm.scheduler.create_scheduler_v2(optimizer, **...)``.
 
     The schedule steps per update (``step_update(num_updates)``), so a short CPU run still
-    sees a smooth warmup and decay.
+    sees a smooth warmup and decay; it spans ``train_steps`` updates (default: ``epochs``).
     """
     return {
         "sched": config.scheduler,
-        "num_epochs": config.epochs,
+        "num_epochs": (config.epochs if train_steps is None
+                       else train_steps / updates_per_epoch),
         "decay_epochs": config.decay_epochs,
         "decay_rate": config.decay_rate,
         "min_lr": config.min_lr,

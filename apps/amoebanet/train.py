@@ -16,9 +16,12 @@ The world is ``num_stages`` pipeline ranks times R data-parallel replicas (pipel
 every R-th shard); it sends each batch's targets to its last stage, so the last stage decodes
 nothing. An epoch ends for everyone when any replica's shards run dry.
 
-``max_minutes`` bounds the whole run, data preparation and the final evaluation included: rank 0
-stops training when the time left would not cover the final evaluation (estimated from the last
-measured evaluation, or from the training throughput).
+The run's length: ``train_steps`` if given; else, with ``budget_minutes`` (the CPU default: 28),
+fitted once to that time from the speed of the first steps (``apps/budget.py``: the whole run,
+data preparation and the final evaluation included), and the cosine schedule spans exactly the
+chosen steps, so a slower machine trains fewer steps of a complete schedule; else ``epochs``.
+``max_minutes`` is a hard stop that cuts the schedule (and says so): rank 0 stops training when
+the time left would not cover the final evaluation.
 
 ``out_dir`` holds ``step-NNNNNNN/`` checkpoints (model shards keyed by the original module names,
 per-rank optimizer / scheduler / data-position / RNG state, ``run.json`` with the balance, and the
@@ -70,6 +73,7 @@ from apps.amoebanet.data import (
     shard_infos,
 )
 from apps.amoebanet.evaluate import TRAIN_COMMAND, evaluate_pipeline, write_report
+from apps.budget import RunLength
 from apps.common import (
     Interrupt,
     RunLogger,
@@ -97,6 +101,7 @@ RESUMABLE_CHANGES = frozenset({
     "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
     "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
     "ckpt_every", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
+    "budget_minutes", "train_steps",  # the length the checkpoint records is the one resumed
 })
 
 
@@ -105,7 +110,7 @@ class RunOptions:
     """Options of one invocation that are not part of the model's config (not saved with it)."""
 
     resume: bool = False  # continue from out_dir's latest checkpoint, exactly
-    max_steps: int = 0  # stop after this many optimizer steps (0 = at `epochs` or `max_minutes`)
+    max_steps: int = 0  # stop after this many optimizer steps, schedule unchanged (0 = at its end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +287,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # per-parameter optimizers (AdamW, RMSProp, SGD) on each stage's parameters equal one
     # optimizer over the whole model; weight decay skips biases and BatchNorm as timm does
     optimizer = create_optimizer_v2(pipe, **optimizer_kwargs(config))
-    scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(config, updates_per_epoch))
+    # the run's length (apps/budget.py): given, fitted to budget_minutes after the first steps
+    # (all inside warm-up, which does not depend on it), or epochs; the schedule spans it
+    length = RunLength(train_steps=config.train_steps, budget_minutes=config.budget_minutes,
+                       cap=config.epochs * updates_per_epoch, cap_name=f"epochs={config.epochs}",
+                       warmup_steps=config.warmup_epochs * updates_per_epoch,
+                       step=state.get("step", 0), saved_steps=state.get("train_steps", 0))
+    scheduler, _ = create_scheduler_v2(
+        optimizer, **scheduler_kwargs(config, updates_per_epoch, length.steps))
     autocast: AbstractContextManager[Any] = (
         torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
     )
@@ -326,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "images_seen": images_seen,
             "train_seconds": train_seconds,
             "pipe_steps": pipe.steps_done,
+            "train_steps": length.steps if length.decided else 0,
             "balance": balance,
             "world_size": world_size,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
@@ -336,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "balance": balance, "num_stages": config.num_stages, "world_size": world_size,
             "classes": classes, "parameters": num_params,
         }, indent=1) + "\n"
-        return write_checkpoint(out_dir, step, pipe, state, config, rank=rank,
+        # the checkpoint's config records the run's length once it is known
+        saved_config = dataclasses.replace(config, train_steps=state["train_steps"])
+        return write_checkpoint(out_dir, step, pipe, state, saved_config, rank=rank,
                                 files={"run.json": run_json})
 
     eval_seconds_per_image: float | None = None
@@ -360,10 +375,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- training loop ----------------------------------------------------------------------
     from tqdm import tqdm
 
-    total_steps = config.epochs * updates_per_epoch
-    if options.max_steps:
-        total_steps = min(total_steps, options.max_steps)
-    bar = tqdm(total=total_steps, initial=step, disable=not master, dynamic_ncols=True,
+    def bar_total() -> int:
+        return min(length.steps, options.max_steps) if options.max_steps else length.steps
+
+    if master and length.decided:
+        say(length.choice.explain())  # type: ignore[union-attr]
+    bar = tqdm(total=bar_total(), initial=step, disable=not master, dynamic_ncols=True,
                file=sys.stderr, mininterval=2.0, unit="step")
     window_loss, window_steps, window_start = 0.0, 0, time.monotonic()
     run_images_per_second = images_seen / train_seconds if train_seconds else 0.0
@@ -382,10 +399,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         while True:
             # stop: max_steps, or rank 0's clock (keeping time for the final evaluation)
             tick = time.monotonic()  # training time counts loading, not checkpoints or evals
+            length.tick(step)
+            if length.due(step):  # fix the run's length (a collective); the schedule spans it
+                choice = length.decide(
+                    step=step, elapsed_s=time.monotonic() - started, master=master,
+                    reserve_s=lambda per_step: final_eval_reserve(
+                        config.batch_size * num_replicas / per_step), device=device)
+                scheduler, _ = create_scheduler_v2(
+                    optimizer, **scheduler_kwargs(config, updates_per_epoch, choice.train_steps))
+                if master:
+                    bar.total = bar_total()
+                    bar.write(choice.explain(f" ({choice.train_steps / updates_per_epoch:.2f} "
+                                             "epochs)"))
+                    bar.refresh()
             batch = next(batches, None) if batches is not None else None
             keep_going = True
             if master:
-                if options.max_steps and step >= options.max_steps:
+                if step >= length.steps:
+                    stop_reason = length.stop_reason
+                elif options.max_steps and step >= options.max_steps:
                     stop_reason = f"max_steps={options.max_steps}"
                 elif config.max_minutes:
                     left = 60 * config.max_minutes - (time.monotonic() - started)
@@ -469,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 save(step)
                 last_saved = step
             due = config.eval_every_epochs and epoch % config.eval_every_epochs == 0
-            if due and epoch < config.epochs:
+            if due and step < length.steps:
                 report = run_eval(config.eval_split)
                 if master:
                     bar.write(f"epoch {epoch}: {config.eval_split} top-1 "
@@ -483,6 +515,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     # --- final checkpoint and evaluation through the pipeline -----------------------------
     path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
+    if stop_reason.startswith("max_minutes"):
+        say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step {step} "
+            f"of {length.steps}: its learning-rate schedule did not end, so this is not the "
+            "budgeted run's result (budget_minutes fits a run to a time instead)")
     say(
         f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} images) "
         f"in {train_seconds / 60:.1f} min, {images_seen / max(train_seconds, 1e-9):.0f} "
@@ -500,6 +536,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "train_minutes": round(train_seconds / 60, 2),
             "total_minutes": round((time.monotonic() - started) / 60, 2),
             "stopped_by": stop_reason or f"epochs={config.epochs}",
+            # the run's length and how it was chosen (apps/budget.py)
+            "budget": length.choice.to_json() if length.choice is not None else None,
             "balance": balance,
             "parameters": num_params,
             "checkpoint": str(path),

@@ -17,7 +17,7 @@ from apps.nmt.model import transformer
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 OPTIMIZERS = ("adam", "adafactor")
-LR_SCHEDULES = ("inverse_sqrt", "constant")
+LR_SCHEDULES = ("linear", "inverse_sqrt", "constant")
 WANDB_MODES = ("offline", "online", "disabled")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -79,17 +79,22 @@ class NMTConfig:
     optimizer: str = "adam"  # "adam" or "adafactor"
     lr: float = 3e-3  # peak learning rate, reached at the end of warmup
     warmup_steps: int = 200  # linear warmup steps
-    lr_schedule: str = "inverse_sqrt"  # after warmup: "inverse_sqrt" decay or "constant"
+    # after warmup: "linear" decay to ~0 at the run's last step (the schedule ends with the run),
+    # "inverse_sqrt" decay (no end: a run's length does not change it) or "constant"
+    lr_schedule: str = "inverse_sqrt"
     adam_beta1: float = 0.9  # Adam first-moment decay
     adam_beta2: float = 0.98  # Adam second-moment decay (0.98 as for Transformers)
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
     weight_decay: float = 0.0  # decoupled weight decay
-    # training budget: the run ends at max_steps or, if set, max_train_tokens (source + target
-    # tokens, no padding), whichever comes first, so its result does not depend on the machine
-    max_steps: int = 5000  # stop after this many optimizer steps
+    # the run's length: train_steps if given; else, with budget_minutes, fitted to that time from
+    # the speed of the first steps (apps/budget.py); else max_steps. Or max_train_tokens (source
+    # + target tokens, no padding) if set and reached first
+    max_steps: int = 5000  # the most optimizer steps (the length without train_steps or a budget)
+    train_steps: int = 0  # the run's length in steps, and the lr schedule's; 0 = as above
+    budget_minutes: float = 0.0  # the whole run's time (corpus, training, final BLEU) train_steps is fitted to; 0 = none
     max_train_tokens: int = 0  # stop once this many tokens were trained on; 0 = no token budget
-    # a safety, not a budget: a run cut by the clock says so (summary.json "stopped_by")
-    max_minutes: float = 27.0  # stop after this much wall-clock training time; 0 = no limit
+    # a hard stop, not a budget: it cuts the lr schedule, and a run cut by it says so
+    max_minutes: float = 0.0  # stop after this much wall-clock training time; 0 = no limit
     seed: int = 0  # seeds data order, init and dropout
 
     # --- runtime ---
@@ -141,7 +146,7 @@ class NMTConfig:
                 raise ConfigError(f"{name}={value} must be positive")
         non_negative = (
             "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every max_train_tokens "
-            "max_loss_factor"
+            "max_loss_factor train_steps budget_minutes"
         )
         for name in non_negative.split():
             value = getattr(self, name)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import gpipe_core as gp
+from apps.budget import RunLength
 from apps.common import (
     Interrupt,
     RunLogger,
@@ -73,6 +74,7 @@ from apps.nmt.pipelined_search import pipeline_search
 # step for any of them); every other key (model, tokens, data stream, partitioning,
 # optimisation, seed) must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
+    "train_steps", "budget_minutes",  # the length the checkpoint records is the one resumed
     "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
     "ckpt_every", "wandb_project", "wandb_mode", "beam_size", "length_penalty", "max_decode_len",
     "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
@@ -86,11 +88,18 @@ RESUMABLE_CHANGES = frozenset({
 # Helpers (the loop below reads top to bottom; these keep it short)
 
 
-def learning_rate(config: NMTConfig, step: int) -> float:
-    """Linear warmup to ``lr`` over ``warmup_steps``, then ``lr * sqrt(warmup / step)``
-    (``inverse_sqrt``) or ``lr`` (``constant``). ``step`` counts from 0."""
+def learning_rate(config: NMTConfig, step: int, train_steps: int | None = None) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then a linear decay that reaches
+    ``lr / (train_steps - warmup_steps + 1)`` at the run's last step (``linear``; ``train_steps``
+    defaults to ``max_steps``), ``lr * sqrt(warmup / step)`` (``inverse_sqrt``) or ``lr``
+    (``constant``). ``step`` counts from 0."""
     s = step + 1
     warm = config.warmup_steps
+    if config.lr_schedule == "linear":
+        total = train_steps or config.max_steps
+        if s <= warm:
+            return config.lr * s / warm
+        return config.lr * max(0, total - s + 1) / (total - warm + 1)
     if config.lr_schedule == "constant":
         return config.lr * min(1.0, s / warm) if warm else config.lr
     if warm == 0:
@@ -205,10 +214,30 @@ def nmt_balance(config: NMTConfig, device: torch.device) -> list[int]:
                           max_parameters=PROFILE_MAX_PARAMETERS)
 
 
-def budget_reached(config: NMTConfig, step: int, tokens_seen: int) -> str | None:
-    """Which training budget ends the run now: ``max_steps`` or ``max_train_tokens`` (the
-    wall-clock cap ``max_minutes`` is checked by the loop, as a safety)."""
-    if step >= config.max_steps:
+# The final evaluation (beam-4 dev BLEU and dev loss over eval_max_sentences per language) and
+# checkpoint in units of training steps: on the CPU default (14 languages, 300 sentences each)
+# they took ~60 s where a step took 0.305 s, ~200 steps; both scale with the machine's speed.
+FINAL_EVAL_STEPS = 200
+FINAL_EVAL_SENTENCES = 14 * 300
+
+
+def final_reserve_s(config: NMTConfig, seconds_per_step: float) -> float:
+    """Seconds to keep, after the last step, for the final checkpoint and dev evaluation: the
+    default's measured cost in steps, scaled by the dev sentences, with a quarter to spare and
+    half a minute for start-up and exit."""
+    sentences = config.eval_max_sentences * max(1, len(config.languages or []) or 14)
+    steps = FINAL_EVAL_STEPS * sentences / FINAL_EVAL_SENTENCES
+    return 1.25 * steps * seconds_per_step + 30.0
+
+
+def budget_reached(config: NMTConfig, step: int, tokens_seen: int,
+                   length: RunLength | None = None) -> str | None:
+    """Which training budget ends the run now: its length in steps (``length``, default
+    ``max_steps``) or ``max_train_tokens`` (the hard stop ``max_minutes`` is checked by the
+    loop)."""
+    if length is not None and step >= length.steps:
+        return length.stop_reason
+    if length is None and step >= config.max_steps:
         return "max_steps"
     if config.max_train_tokens and tokens_seen >= config.max_train_tokens:
         return "max_train_tokens"
@@ -316,6 +345,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         say(f"resumed from {resume_dir} at step {step}")
     else:
         refuse_existing_run(out_dir)
+    # the run's length (apps/budget.py): given, fitted to budget_minutes after the first steps
+    # (inside warm-up, which does not depend on it), or max_steps; a linear schedule spans it
+    length = RunLength(
+        train_steps=config.train_steps, budget_minutes=config.budget_minutes,
+        cap=config.max_steps, cap_name="max_steps", step=step,
+        warmup_steps=config.warmup_steps if config.lr_schedule == "linear" else math.inf,
+        saved_steps=state.get("train_steps", 0))
     with gp.collectives("start of training"):
         dist.barrier()
     if master:
@@ -332,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "tokens": tokens_seen,
             "train_seconds": train_seconds,
             "pipe_steps": pipe.steps_done,
+            "train_steps": length.steps if length.decided else 0,
             "world_size": world_size,
             "balance": balance,
         }
@@ -340,7 +377,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "vocab_size": tokenizer.vocab_size,
             "data_dir": str(config.data_dir),
         }) + "\n"
-        return write_checkpoint(out_dir, step, pipe, state, config, rank=rank,
+        # the checkpoint's config records the run's length once it is known
+        saved_config = replace(config, train_steps=state["train_steps"])
+        return write_checkpoint(out_dir, step, pipe, state, saved_config, rank=rank,
                                 files={"tokenizer.json": tokenizer_json})
 
     def run_eval(*, what: str, dev_loss: bool = False) -> dict[str, Any] | None:
@@ -379,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     # the bar counts towards the budget that ends the run: tokens when a token budget is set
     by_tokens = bool(config.max_train_tokens)
-    bar = tqdm(total=config.max_train_tokens if by_tokens else config.max_steps,
+    if master and length.decided:
+        say(length.choice.explain())  # type: ignore[union-attr]
+    bar = tqdm(total=config.max_train_tokens if by_tokens else length.steps,
                initial=tokens_seen if by_tokens else step, unit="tok" if by_tokens else "step",
                unit_scale=by_tokens, disable=not master, dynamic_ncols=True, file=sys.stderr,
                mininterval=2.0)
@@ -393,8 +434,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     while True:
         # stop: at the step or token budget, or (a safety) at max_minutes, as rank 0 decides;
         # or at a signal on any rank (all ranks stop at the same step)
+        length.tick(step)
+        if length.due(step):  # fix the run's length (a collective); the lr schedule spans it
+            choice = length.decide(step=step, elapsed_s=time.monotonic() - started,
+                                   reserve_s=lambda per_step: final_reserve_s(config, per_step),
+                                   master=master, device=device)
+            if master:
+                if not by_tokens:
+                    bar.total = choice.train_steps
+                bar.write(choice.explain())
+                bar.refresh()
         if master:
-            stopped_by = budget_reached(config, step, tokens_seen)
+            stopped_by = budget_reached(config, step, tokens_seen, length)
             if stopped_by is None and config.max_minutes and (
                 time.monotonic() - loop_start > 60 * config.max_minutes
             ):
@@ -411,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             break
 
         # learning rate: a pure function of the step, so resuming needs no scheduler state
-        lr = learning_rate(config, step)
+        lr = learning_rate(config, step, length.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
@@ -484,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         if due_eval or (config.ckpt_every and step % config.ckpt_every == 0):
             path = save(step)
             last_saved = step
-        if due_eval and step < config.max_steps:  # the final evaluation follows the loop
+        if due_eval and step < length.steps:  # the final evaluation follows the loop
             report = run_eval(what=f"dev evaluation at step {step}")
             if report is not None:
                 lines = format_report(report, examples=0).splitlines()
@@ -498,9 +549,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
     train_minutes = train_seconds / 60
     if stopped_by == "max_minutes":
-        say(f"warning: the wall-clock cap max_minutes={config.max_minutes} cut the run at step "
-            f"{step}, before its budget (max_steps={config.max_steps}, max_train_tokens="
-            f"{config.max_train_tokens}); its results are not those of the budgeted run")
+        say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step "
+            f"{step}, before its budget ({length.steps} steps, max_train_tokens="
+            f"{config.max_train_tokens}): its learning-rate schedule did not end, so its results "
+            "are not those of the budgeted run (budget_minutes fits a run to a time instead)")
     say(
         f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_minutes:.1f} min "
         f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
@@ -519,6 +571,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             # what ended the run: a budget (max_steps, max_train_tokens) or the wall-clock
             # safety cap (max_minutes: the run was cut short of its budget)
             "stopped_by": stopped_by,
+            # the run's length and how it was chosen (apps/budget.py)
+            "budget": length.choice.to_json() if length.choice is not None else None,
             "train_minutes": round(train_minutes, 2),
             "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
             "total_minutes": round((time.monotonic() - started) / 60, 2),

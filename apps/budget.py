@@ -1,0 +1,225 @@
+"""A run's length in steps, fixed from the speed measured at its start so that it fits its time.
+
+A budget in steps gives the same model on every machine but may not fit the time a user has; a
+wall-clock cap fits the time but cuts the learning-rate schedule wherever the clock falls, so a
+slower machine gets an unannealed model. The apps do neither: they time the first steps of the
+run (all inside the learning rate's warm-up, whose values do not depend on the run's length),
+then fix the number of steps once, so that training and the final evaluation end within
+``budget_minutes``, and the schedule is laid over exactly those steps::
+
+    step 0 ....... skip ............ decide_at ........................... train_steps
+         warm-up    |--- timed -------|  budget fixed: the schedule's length = train_steps
+
+From that step on the run is deterministic: the chosen ``train_steps`` goes into the run's
+config, checkpoint and summary, and ``--train_steps=N`` on another machine (or ``--resume``)
+reproduces it exactly. A machine that slows down after the decision makes the run take longer;
+it never shortens the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import gpipe_core as gp
+from apps.config import ConfigError
+
+__all__ = ["BudgetChoice", "RunLength", "StepTimer", "choose_train_steps", "decision_step"]
+
+SKIP_STEPS = 5  # the first steps are slower (allocator, caches, the data loader filling up)
+TIMED_STEPS = 30  # steps timed after those: the pipeline's step time over a few dozen batches
+SAFETY = 1.08  # time per step assumed above the measured one (epoch ends, checkpoints, logging)
+
+
+def decision_step(warmup_steps: float) -> int:
+    """The step after which the budget is fixed: ``SKIP_STEPS + TIMED_STEPS``, or the end of
+    warm-up if that comes first (the steps before the decision must not depend on it)."""
+    end = SKIP_STEPS + TIMED_STEPS
+    if warmup_steps < end:
+        end = int(warmup_steps)
+    if end < SKIP_STEPS + 5:
+        raise ValueError(
+            f"a time budget times the steps of the learning rate's warm-up, but warm-up has only "
+            f"{warmup_steps:g} steps; give it at least {SKIP_STEPS + 5} steps, or fix the run's "
+            "length with --train_steps=N"
+        )
+    return end
+
+
+class StepTimer:
+    """Wall time of the steps ``[skip, decide_at)`` of the training loop, on the deciding rank.
+
+    Call :meth:`tick` at the top of each loop iteration with the number of steps done; the time
+    between ticks is everything the loop does for a step (data, pipeline, optimizer, logging).
+    """
+
+    def __init__(self, *, skip: int, decide_at: int) -> None:
+        self.skip, self.decide_at = skip, decide_at
+        self._start: float | None = None
+        self.seconds_per_step: float | None = None
+
+    def tick(self, step: int) -> None:
+        if step == self.skip:
+            self._start = time.monotonic()
+        elif step == self.decide_at and self._start is not None:
+            self.seconds_per_step = (time.monotonic() - self._start) / (self.decide_at - self.skip)
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """What was decided, and from what (written to the run's summary)."""
+
+    train_steps: int  # the run's length in optimizer steps: the learning-rate schedule's length
+    # "measured" (fitted to budget_minutes), "train_steps" (given), or the config's length
+    # without a budget ("epochs", "max_steps")
+    chosen_by: str
+    budget_minutes: float = 0.0  # the whole run's wall-clock limit it was fitted to
+    seconds_per_step: float = 0.0  # measured over steps [skip, decide_at)
+    timed_steps: tuple[int, int] = (0, 0)  # [skip, decide_at)
+    elapsed_s: float = 0.0  # wall time of the run when the budget was fixed
+    reserve_s: float = 0.0  # kept for the final checkpoint and evaluation
+    fitted_steps: int = 0  # what the time allowed, before the cap
+    cap: int = 0  # the most steps the config allows (epochs or max_steps)
+
+    def explain(self, unit: str = "") -> str:
+        """One line for the progress bar and the log."""
+        if self.chosen_by != "measured":
+            return f"budget: {self.train_steps} steps{unit}, as configured ({self.chosen_by})"
+        capped = (f"; capped at {self.cap} by the config (the time allowed {self.fitted_steps})"
+                  if self.train_steps < self.fitted_steps else "")
+        return (
+            f"budget: {self.train_steps} steps{unit}, from {self.seconds_per_step:.3f} s per step "
+            f"measured over steps {self.timed_steps[0]}-{self.timed_steps[1]} on this machine, to "
+            f"end within budget_minutes={self.budget_minutes:g} ({self.elapsed_s / 60:.1f} min "
+            f"spent so far, {self.reserve_s / 60:.1f} min kept for the final checkpoint and "
+            f"evaluation){capped}; the learning-rate schedule spans exactly these steps. "
+            f"Rerun this run exactly with --train_steps={self.train_steps}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["timed_steps"] = list(self.timed_steps)
+        return record
+
+
+def choose_train_steps(
+    *,
+    budget_minutes: float,
+    seconds_per_step: float,
+    elapsed_s: float,
+    reserve_s: float,
+    cap: int,
+    at_least: int,
+    timed_steps: tuple[int, int],
+) -> BudgetChoice:
+    """The most steps that end, with ``reserve_s`` after them, within ``budget_minutes``.
+
+    ``elapsed_s``: the run's wall time so far (``timed_steps[1]`` steps done); ``cap``: the
+    config's most steps; ``at_least``: the steps already done (a budget never undoes them).
+    """
+    if not seconds_per_step > 0:
+        raise ValueError(f"seconds_per_step={seconds_per_step!r} must be positive")
+    left_s = 60.0 * budget_minutes - elapsed_s - reserve_s
+    fitted = timed_steps[1] + max(0, math.floor(left_s / (seconds_per_step * SAFETY)))
+    steps = max(at_least, min(cap, fitted))
+    return BudgetChoice(
+        train_steps=steps, chosen_by="measured", budget_minutes=budget_minutes,
+        seconds_per_step=seconds_per_step, timed_steps=timed_steps, elapsed_s=elapsed_s,
+        reserve_s=reserve_s, fitted_steps=fitted, cap=cap,
+    )
+
+
+class RunLength:
+    """How many steps a run trains: given (``train_steps``), fitted to ``budget_minutes`` once
+    the first steps were timed, or the config's cap (``epochs`` x steps per epoch, or
+    ``max_steps``). Every rank holds one; :meth:`decide` is a collective at ``decide_at``.
+
+    ``step``: the steps already done (a resumed run); ``saved_steps``: the length a resumed
+    run's checkpoint recorded (0 if it was saved before the decision).
+    """
+
+    def __init__(self, *, train_steps: int, budget_minutes: float, cap: int, cap_name: str,
+                 warmup_steps: float, step: int = 0, saved_steps: int = 0) -> None:
+        self.cap, self.budget_minutes = cap, budget_minutes
+        self.timer: StepTimer | None = None
+        self.choice: BudgetChoice | None = None
+        if saved_steps and train_steps and saved_steps != train_steps:
+            raise ConfigError(
+                f"train_steps={train_steps}, but the checkpoint's run has train_steps="
+                f"{saved_steps}; resume without --train_steps (or with that value)"
+            )
+        steps = saved_steps or train_steps
+        if steps > cap:
+            raise ConfigError(
+                f"train_steps={steps} exceeds the most this config trains ({cap_name}: {cap} "
+                f"steps); raise {cap_name.split('=')[0]} or lower train_steps"
+            )
+        if steps:
+            self.choice = BudgetChoice(train_steps=steps, chosen_by="train_steps", cap=cap)
+        elif not budget_minutes:
+            self.choice = BudgetChoice(train_steps=cap, chosen_by=cap_name, cap=cap)
+        else:
+            decide_at = decision_step(warmup_steps)
+            skip = max(SKIP_STEPS, step + 2) if step else SKIP_STEPS
+            if decide_at - skip < 5:
+                raise ConfigError(
+                    f"resumed at step {step}, before the time budget was fixed and too late in "
+                    f"warm-up to time the steps again; resume with --train_steps=N"
+                )
+            self.timer = StepTimer(skip=skip, decide_at=decide_at)
+
+    @property
+    def steps(self) -> int:
+        """The run's length: the decided one, or until then the cap (for the progress bar)."""
+        return self.choice.train_steps if self.choice is not None else self.cap
+
+    @property
+    def stop_reason(self) -> str:
+        """What ends a run that reached :attr:`steps`: ``train_steps=N``, or the config's cap."""
+        if self.choice is not None and self.choice.chosen_by not in ("measured", "train_steps"):
+            return self.choice.chosen_by
+        return f"train_steps={self.steps}"
+
+    @property
+    def decided(self) -> bool:
+        return self.choice is not None
+
+    def tick(self, step: int) -> None:
+        """At the top of every loop iteration, with the steps done so far."""
+        if self.timer is not None:
+            self.timer.tick(step)
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`decide` must run now (on every rank)."""
+        return self.timer is not None and self.choice is None and step == self.timer.decide_at
+
+    def decide(self, *, step: int, elapsed_s: float, reserve_s: Callable[[float], float],
+               master: bool, device: torch.device) -> BudgetChoice:
+        """Fit the length to the budget on rank 0 from its timed steps; every rank gets it.
+
+        ``reserve_s(seconds_per_step)``: the time to keep for what follows the last step (the
+        final checkpoint and evaluation), from the measured speed.
+        """
+        assert self.timer is not None
+        choice = None
+        if master:
+            per_step = self.timer.seconds_per_step
+            assert per_step is not None
+            choice = choose_train_steps(
+                budget_minutes=self.budget_minutes, seconds_per_step=per_step,
+                elapsed_s=elapsed_s, reserve_s=reserve_s(per_step), cap=self.cap, at_least=step,
+                timed_steps=(self.timer.skip, self.timer.decide_at),
+            )
+        shared = torch.tensor([choice.train_steps if choice else 0], dtype=torch.int64,
+                              device=device)
+        with gp.collectives(f"the time budget at step {step}"):
+            dist.broadcast(shared, src=0)
+        self.choice = choice or BudgetChoice(train_steps=int(shared), chosen_by="measured",
+                                             budget_minutes=self.budget_minutes, cap=self.cap)
+        return self.choice

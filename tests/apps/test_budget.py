@@ -1,0 +1,89 @@
+"""A run's length fitted to its time (apps/budget.py): the arithmetic, and the real NMT loop
+choosing a length from its measured speed, laying its schedule over it, and rerunning exactly
+from the length it chose."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from apps import budget
+from apps.config import ConfigError
+from apps.nmt import train
+from apps.nmt.config import NMTConfig
+from tests.apps.test_nmt_train import corpus, tiny_args, torchrun  # noqa: F401
+
+
+def test_the_steps_that_fit_leave_the_reserve() -> None:
+    choice = budget.choose_train_steps(budget_minutes=10, seconds_per_step=0.5, elapsed_s=60,
+                                       reserve_s=120, cap=10_000, at_least=35,
+                                       timed_steps=(5, 35))
+    # 600 - 60 - 120 = 420 s left after step 35, at 0.5 s x SAFETY per step
+    assert choice.train_steps == 35 + int(420 / (0.5 * budget.SAFETY))
+    assert choice.chosen_by == "measured" and choice.fitted_steps == choice.train_steps
+    assert "--train_steps=" + str(choice.train_steps) in choice.explain()
+
+
+def test_the_cap_and_the_steps_done_bound_the_choice() -> None:
+    fast = budget.choose_train_steps(budget_minutes=60, seconds_per_step=0.01, elapsed_s=0,
+                                     reserve_s=0, cap=500, at_least=35, timed_steps=(5, 35))
+    assert fast.train_steps == 500 and fast.fitted_steps > 500
+    assert "capped at 500" in fast.explain()
+    late = budget.choose_train_steps(budget_minutes=1, seconds_per_step=1.0, elapsed_s=90,
+                                     reserve_s=30, cap=500, at_least=35, timed_steps=(5, 35))
+    assert late.train_steps == 35  # out of time already: stop, never undo steps done
+
+
+def test_the_decision_falls_inside_warmup() -> None:
+    assert budget.decision_step(200) == budget.SKIP_STEPS + budget.TIMED_STEPS
+    assert budget.decision_step(20) == 20
+    with pytest.raises(ValueError, match="warm-up has only 6 steps"):
+        budget.decision_step(6)
+
+
+def test_a_resumed_length_must_match() -> None:
+    with pytest.raises(ConfigError, match="the checkpoint's run has train_steps=300"):
+        budget.RunLength(train_steps=200, budget_minutes=0, cap=1000, cap_name="max_steps",
+                         warmup_steps=100, saved_steps=300)
+    length = budget.RunLength(train_steps=0, budget_minutes=28, cap=1000, cap_name="max_steps",
+                              warmup_steps=100, saved_steps=300)
+    assert length.decided and length.steps == 300 and not length.due(35)
+
+
+def test_the_linear_schedule_ends_with_the_run() -> None:
+    config = NMTConfig(lr=1e-3, warmup_steps=10, lr_schedule="linear", max_steps=1000)
+    assert train.learning_rate(config, 9, 100) == pytest.approx(1e-3)  # end of warm-up
+    assert train.learning_rate(config, 99, 100) == pytest.approx(1e-3 / 91)  # the last step
+    assert train.learning_rate(config, 54, 100) == pytest.approx(1e-3 * 46 / 91)
+    # during warm-up the rate does not depend on the run's length: a budget can be fixed there
+    assert all(train.learning_rate(config, s, 100) == train.learning_rate(config, s, 5000)
+               for s in range(10))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_nmt_fits_its_length_to_the_budget_and_reruns_exactly(
+    corpus: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    common = {"lr_schedule": "linear", "warmup_steps": 20, "max_minutes": 0, "log_every": 1}
+    fitted = tmp_path / "fitted"
+    output = torchrun(tiny_args(corpus, fitted, budget_minutes=1.2, max_steps=100_000, **common))
+    summary = json.loads((fitted / "summary.json").read_text())
+    chosen = summary["budget"]
+    assert chosen["chosen_by"] == "measured", chosen
+    assert chosen["timed_steps"] == [5, 20] and chosen["seconds_per_step"] > 0
+    steps = chosen["train_steps"]
+    assert summary["steps"] == steps and summary["stopped_by"] == f"train_steps={steps}"
+    assert f"budget: {steps} steps, from" in output and f"--train_steps={steps}" in output
+    records = [json.loads(line) for line in (fitted / "log.jsonl").read_text().splitlines()]
+    if steps > 20:  # the schedule spans exactly the chosen steps: its last rate ends it
+        assert records[-1]["lr"] == pytest.approx(3e-3 / (steps - 20 + 1))
+    # the checkpoint records the length: a rerun with it is the same run, step for step
+    assert f"train_steps: {steps}" in (fitted / f"step-{steps:07d}" / "config.yaml").read_text()
+    again = tmp_path / "again"
+    torchrun(tiny_args(corpus, again, train_steps=steps, max_steps=100_000, **common))
+    rerun = [json.loads(line) for line in (again / "log.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["lr"]) for r in rerun] == [
+        (r["step"], r["loss"], r["lr"]) for r in records]
