@@ -38,7 +38,6 @@ import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
 from gpipe_core.microbatch import map_tensors
 from gpipe_core.remat import CHECKPOINT_MODES
-from gpipe_core.schedule import get_schedule
 from gpipe_core.storage import torch_load
 
 KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
@@ -55,7 +54,7 @@ def check_pipeline_options(*, schedule: str, checkpoint: str, num_stages: int,
     (``gpipe``, ``1f1b``, ``1f1b_slackN``, ...) with ``num_stages`` x ``chunks`` and knows the
     re-materialization mode ``checkpoint``. The apps keep no list of their own."""
     try:
-        get_schedule(schedule, num_stages, chunks)
+        gp.get_schedule(schedule, num_stages, chunks)
     except ValueError as error:
         raise ConfigError(f"schedule={schedule!r}: {error}") from None
     if checkpoint not in CHECKPOINT_MODES:
@@ -171,17 +170,6 @@ def choose_balance(build_meta: Callable[[], torch.nn.Sequential], sample: Any, n
     with gp.collectives("choosing the balance"):
         dist.broadcast_object_list(result, src=0)
     return list(result[0])
-
-
-def set_quiet_io(pipe: gp.DistributedGPipe, enabled: bool) -> None:
-    """Whether the gloo transport keeps gloo's I/O thread from preempting its sends and
-    receive posts (``gpipe_core.cpu.QuietIOThreads``; the library does it by default).
-
-    ``enabled=False`` restores plain gloo behaviour (for measuring what quieting is worth). The
-    library has no public switch for it yet, so this sets the transport's attribute.
-    """
-    if not enabled:
-        pipe.transport.policy.quiet_io = None
 
 
 def check_resumable(saved: Any, config: Any, *, may_change: Collection[str],

@@ -3,6 +3,7 @@
 from .batchnorm import DeferredBatchNorm
 from .cpu import bind_cpus, hold_freed_memory
 from .distributed import DistributedGPipe
+from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, report_failure
 from .gpipe import GPipe
 from .groups import group_timeout_s, init_process_groups
@@ -14,6 +15,7 @@ from .schedule import (
     Schedule,
     ScheduleError,
     dualpipe_v,
+    get_schedule,
     gpipe,
     interleaved_1f1b,
     interleaved_zb,
@@ -53,6 +55,8 @@ __all__ = [
     "balance_by_memory",
     "Action",
     "Schedule",
+    "get_schedule",
+    "TimelineEvent",
     "ScheduleError",
     "gpipe",
     "one_f_one_b",

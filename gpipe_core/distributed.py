@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .batchnorm import DeferredBatchNorm
+from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, peer_failure, report_failure
 from .gradients import average_gradients, clip_grad_norm
 from .groups import default_device, group_timeout_s
@@ -39,7 +40,7 @@ from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import split_module, verify_module
 from .remat import CHECKPOINT_MODES, fork_rng
-from .runtime import StageRuntime, StepCounter, StepState, TimelineEvent
+from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Schedule, check_in_order_matching, get_schedule
 from .shards import load_shards, save_stage_checkpoint, shard_name
 from .stage import LossFn, Stage
@@ -83,6 +84,9 @@ class DistributedGPipe(StepCounter, nn.Module):
             the pipeline group's own timeout, :func:`~gpipe_core.groups.group_timeout_s`, so one
             number, ``init_process_groups(timeout_s=...)``, bounds messages and collectives).
         record: keep a per-action timeline for :meth:`trace`.
+        quiet_io: with gloo, keep gloo's I/O thread from preempting this rank's sends and
+            receive posts (:class:`~gpipe_core.cpu.QuietIOThreads`; measured in
+            docs/RESULTS.md); False gives plain gloo behaviour.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class DistributedGPipe(StepCounter, nn.Module):
         init_fn: InitFn | None = None,
         timeout_s: float | None = None,
         record: bool = False,
+        quiet_io: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -133,7 +138,7 @@ class DistributedGPipe(StepCounter, nn.Module):
             )
         self.schedule_name = schedule
         self._schedules: dict[int, Schedule] = {}
-        self._policy = policy_for(dist.get_backend(group))
+        self._policy = policy_for(dist.get_backend(group), quiet_io=quiet_io)
         # The rank of every stage (the schedule's placement); also checks the schedule fits.
         self.placement = self.schedule(chunks).placement
         self.stage_indices = tuple(

@@ -25,25 +25,12 @@ from typing import Any
 
 from torch import Tensor
 
+from .events import TimelineEvent
 from .schedule import Action
 from .stage import Stage
 from .transport import Transport
 
 __all__ = ["StepState", "StageRuntime", "StepCounter", "TimelineEvent"]
-
-
-@dataclass
-class TimelineEvent:
-    """One action as it ran: which stage, what, and when (``time.perf_counter`` seconds)."""
-
-    stage: int
-    action: str
-    start: float
-    end: float
-    # When the action's input (activation or gradient) had arrived and its computation began:
-    # ``ready - start`` is time spent waiting on a neighbour, ``end - ready`` the action's own
-    # cost (what the simulator takes as an action's duration). None where not recorded.
-    ready: float | None = None
 
 
 @dataclass

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .events import TimelineEvent
 from .remat import checkpoint_stop
-from .runtime import TimelineEvent
 from .schedule import Schedule
 
 __all__ = ["Simulation", "simulate"]

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .events import TimelineEvent
 from .failure import collectives
-from .runtime import TimelineEvent
 
 __all__ = ["gather_timelines", "write_chrome_trace", "write_timeline_png", "bubble_fraction"]
 

@@ -206,9 +206,10 @@ class GlooPolicy(P2PPolicy):
     tags = True
     post_early = True
 
-    def __init__(self) -> None:
-        self.quiet_io: QuietIOThreads | None = QuietIOThreads()
-        self.quiet_io.refresh()
+    def __init__(self, quiet_io: bool = True) -> None:
+        self.quiet_io: QuietIOThreads | None = QuietIOThreads() if quiet_io else None
+        if self.quiet_io is not None:
+            self.quiet_io.refresh()
 
     def refresh(self) -> None:
         if self.quiet_io is not None:
@@ -225,9 +226,10 @@ class GlooPolicy(P2PPolicy):
             quiet.leave()
 
 
-def policy_for(backend: str) -> P2PPolicy:
-    """The policy of a ``torch.distributed`` backend: gloo's, or in-order matching (NCCL)."""
-    return GlooPolicy() if backend == "gloo" else P2PPolicy()
+def policy_for(backend: str, *, quiet_io: bool = True) -> P2PPolicy:
+    """The policy of a ``torch.distributed`` backend: gloo's (``quiet_io``: keep its I/O thread
+    from preempting our calls), or in-order matching (NCCL)."""
+    return GlooPolicy(quiet_io) if backend == "gloo" else P2PPolicy()
 
 
 # Tags (gloo): control messages (tied weights); activations and gradients across the boundary

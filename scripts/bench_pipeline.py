@@ -211,11 +211,9 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
     if impl == "gpipe_core":
         try:
             pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
-                                       checkpoint=checkpoint, loss_fn=loss_fn)
+                                       checkpoint=checkpoint, loss_fn=loss_fn, quiet_io=quiet_io)
         except ValueError:
             return None  # DualPipeV refusing fewer than 2K micro-batches
-        if not quiet_io:
-            pipe.transport.policy.quiet_io = None
 
         def ours() -> None:
             pipe.zero_grad(set_to_none=True)

@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 
 import gpipe_core as gp
-from gpipe_core.schedule import get_schedule
 from gpipe_core.trace import write_timeline_png
 
 ONE_PER_RANK = ("gpipe", "1f1b", "zb_h1", "zb_h2")
@@ -35,7 +34,7 @@ def compare(ranks: int, microbatches: int, forward: float, backward: float, weig
         v = 2 if name in TWO_PER_RANK else 1
         stages = v * ranks
         try:
-            schedule = get_schedule(name, stages, microbatches, num_ranks=ranks)
+            schedule = gp.get_schedule(name, stages, microbatches, num_ranks=ranks)
         except ValueError as exc:  # DualPipeV needs M >= 2R
             rows.append({"schedule": name, "skipped": str(exc)})
             continue

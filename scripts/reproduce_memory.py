@@ -15,7 +15,7 @@ in the first and held through the second's activations.
 
 What counts against the budget is the process's *peak resident memory above its baseline*: the
 resident size just before the model is materialized (Python, torch, gloo and the meta model:
-~300 MB here, the analogue of an accelerator's runtime context, which the paper's 8 and 16 GB do
+756-782 MB here in docs/reproduction/memory.json's trials, the analogue of an accelerator's runtime context, which the paper's 8 and 16 GB do
 not count either), reset with ``malloc_trim`` and ``/proc/self/clear_refs``; the peak is
 ``VmHWM`` after the steps. Every trial runs in fresh processes (spawned interpreters), so no
 earlier trial's memory is counted, and models are built on ``meta``: a pipeline rank

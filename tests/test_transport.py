@@ -4,12 +4,13 @@ over an in-memory network that enforces gloo's rule (a receive takes a message o
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from gpipe_core import wire
 from gpipe_core.transport import (
@@ -213,3 +214,21 @@ def test_sends_that_have_left_are_released_before_the_step_ends() -> None:
     first._pending.append((in_flight, torch.ones(1), 1))
     first._release_sent()
     assert first._pending[-1][0] is in_flight  # a send still in flight keeps its buffer
+
+
+def test_quiet_io_is_a_constructor_switch(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    import gpipe_core as gp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        def build(**kwargs: bool) -> gp.DistributedGPipe:
+            return gp.DistributedGPipe(nn.Sequential(nn.Linear(2, 2)), [1], chunks=1,
+                                       loss_fn=lambda out, target: out.sum(), **kwargs)
+
+        assert build().transport.policy.quiet_io is not None  # the library's default
+        assert build(quiet_io=False).transport.policy.quiet_io is None  # plain gloo
+    finally:
+        dist.destroy_process_group()

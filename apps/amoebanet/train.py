@@ -86,7 +86,6 @@ from apps.common import (
     refuse_existing_run,
     resume_checkpoint,
     run_main,
-    set_quiet_io,
     setup_run,
     write_checkpoint,
 )
@@ -276,9 +275,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         device=device,
         seed=config.seed,
         deferred_batch_norm=True,  # per-micro-batch statistics, mini-batch running statistics
+        quiet_io=config.quiet_io,
     )
     del model
-    set_quiet_io(pipe, config.quiet_io)
 
     # --- optimizer and learning-rate schedule from timm's factories -----------------------
     from timm.optim import create_optimizer_v2

@@ -52,7 +52,6 @@ from apps.common import (
     refuse_existing_run,
     resume_checkpoint,
     run_main,
-    set_quiet_io,
     setup_run,
     write_checkpoint,
 )
@@ -319,8 +318,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         data_parallel_group=run.data_group if num_replicas > 1 else None,
         device=device,
         seed=config.seed,
+        quiet_io=config.quiet_io,
     )  # its timeout is the pipeline group's: config.timeout_s, given to setup_run
-    set_quiet_io(pipe, config.quiet_io)
     optimizer = make_optimizer(config, list(pipe.parameters()))
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and config.bf16 else nullcontext()

@@ -83,26 +83,6 @@ def test_cpu_defaults_hold_memory_and_do_not_pin() -> None:
         assert (config.pin_cpus, config.hold_memory, config.quiet_io) == (False, True, True)
 
 
-def test_quiet_io_false_turns_the_transport_s_quieting_off(tmp_path: Path) -> None:
-    import torch.distributed as dist
-    from torch import nn
-
-    import gpipe_core as gp
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        pipe = gp.DistributedGPipe(nn.Sequential(nn.Linear(2, 2)), [1], chunks=1,
-                                   loss_fn=lambda out, target: out.sum())
-        assert pipe.transport.policy.quiet_io is not None  # the library's default
-        common.set_quiet_io(pipe, True)
-        assert pipe.transport.policy.quiet_io is not None
-        common.set_quiet_io(pipe, False)
-        assert pipe.transport.policy.quiet_io is None
-    finally:
-        dist.destroy_process_group()
-
-
 def test_the_nmt_default_is_balanced_by_time_not_parameters(tmp_path: Path) -> None:
     # By parameters the embedding (4000 x 128, little compute) weighs like several layers and the
     # output projection (a vocabulary-wide matmul per token) like few; timing puts the cut
