@@ -87,3 +87,28 @@ def test_nmt_fits_its_length_to_the_budget_and_reruns_exactly(
     rerun = [json.loads(line) for line in (again / "log.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"], r["lr"]) for r in rerun] == [
         (r["step"], r["loss"], r["lr"]) for r in records]
+
+
+def test_amoebanet_s_cosine_spans_the_chosen_steps() -> None:
+    import torch
+    from timm.scheduler import create_scheduler_v2
+
+    from apps.amoebanet.config import AmoebaNetConfig, scheduler_kwargs
+
+    config = AmoebaNetConfig(epochs=10, warmup_epochs=0.2, lr=2e-3, min_lr=1e-5)
+    updates = 100  # per epoch
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
+
+    def rates(train_steps: int | None) -> list[float]:
+        scheduler, _ = create_scheduler_v2(optimizer, **scheduler_kwargs(config, updates,
+                                                                          train_steps))
+        out = []
+        for step in range(train_steps or 1000):
+            scheduler.step_update(num_updates=step)
+            out.append(optimizer.param_groups[0]["lr"])
+        return out
+
+    short, full = rates(340), rates(None)
+    assert short[:20] == full[:20]  # warm-up (20 steps) does not depend on the length
+    assert short[-1] == pytest.approx(config.min_lr, abs=2e-6)  # annealed at the chosen end
+    assert full[339] > 100 * config.min_lr  # where the 10-epoch schedule still runs high
