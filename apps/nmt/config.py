@@ -81,7 +81,7 @@ class NMTConfig:
     warmup_steps: int = 200  # linear warmup steps
     # after warmup: "linear" decay to ~0 at the run's last step (the schedule ends with the run),
     # "inverse_sqrt" decay (no end: a run's length does not change it) or "constant"
-    lr_schedule: str = "inverse_sqrt"
+    lr_schedule: str = "linear"
     adam_beta1: float = 0.9  # Adam first-moment decay
     adam_beta2: float = 0.98  # Adam second-moment decay (0.98 as for Transformers)
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
@@ -89,9 +89,9 @@ class NMTConfig:
     # the run's length: train_steps if given; else, with budget_minutes, fitted to that time from
     # the speed of the first steps (apps/budget.py); else max_steps. Or max_train_tokens (source
     # + target tokens, no padding) if set and reached first
-    max_steps: int = 5000  # the most optimizer steps (the length without train_steps or a budget)
+    max_steps: int = 8000  # the most optimizer steps (the length without train_steps or a budget)
     train_steps: int = 0  # the run's length in steps, and the lr schedule's; 0 = as above
-    budget_minutes: float = 0.0  # the whole run's time (corpus, training, final BLEU) train_steps is fitted to; 0 = none
+    budget_minutes: float = 28.0  # the whole run's time (corpus, training, final BLEU) train_steps is fitted to; 0 = none
     max_train_tokens: int = 0  # stop once this many tokens were trained on; 0 = no token budget
     # a hard stop, not a budget: it cuts the lr schedule, and a run cut by it says so
     max_minutes: float = 0.0  # stop after this much wall-clock training time; 0 = no limit
