@@ -412,7 +412,7 @@ def read_latest(out_dir: Path) -> tuple[str | None, str | None]:
     if not text:
         return None, f"{path} is empty"
     if not _STEP_NAME.fullmatch(text):
-        shown = text if len(text) <= 80 else text[:77] + "..."
+        shown = text if len(text) <= 200 else text[:197] + "..."
         return None, (f"{path} holds {shown!r}, not the name of one of this run's step-NNNNNNN "
                       "folders")
     if not (out_dir / text / "index.json").is_file():
@@ -555,9 +555,8 @@ class RunLogger:
             if isinstance(record, dict) and record.get("step", 0) <= resume_step:
                 kept.append(line)
         if torn:
-            print(f"warning: {self.path}: line(s) {', '.join(map(str, torn))} are not JSON "
-                  "records (cut off by a crash or a full disk?); dropped them",
-                  file=sys.stderr, flush=True)
+            print(f"warning: dropped line(s) {', '.join(map(str, torn))} of {self.path}: not "
+                  "JSON records (cut off by a crash or a full disk?)", file=sys.stderr, flush=True)
         return kept
 
     def step(self, record: dict[str, Any]) -> None:
