@@ -304,7 +304,7 @@ def lock_out_dir(out_dir: Path) -> None:
         ) from None
     file.seek(0)
     file.truncate()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n")
     file.flush()
     _HELD_LOCKS[path] = file

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 import gpipe_core as gp
 from apps import common
 from apps.amoebanet import classify
@@ -33,7 +34,7 @@ from apps.config import ConfigError, save_config
 from apps.nmt import translate
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import load_tokenizer
-from scripts import eval_bleu
+from scripts import eval_bleu, eval_top1
 from tests.apps.test_amoebanet_train import fake_checkpoint, shards, tiny_args  # noqa: F401
 from tests.apps.test_failures import finish, launch, logged_steps, long_run, wait_for
 from tests.apps.test_nmt_train import corpus  # noqa: F401
@@ -83,6 +84,18 @@ def test_a_bad_latest_falls_back_to_the_newest_intact_step_folder(
     assert f"resuming from the newest intact checkpoint {newest}" in capsys.readouterr().err
     assert common.resume_checkpoint(run, train_command="t", verbose=False) == newest
     assert capsys.readouterr().err == ""  # only rank 0 says it
+
+
+def test_eval_top1_scores_the_newest_step_folder_past_a_non_utf8_latest(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+) -> None:
+    checkpoint = fake_checkpoint(tmp_path / "run" / "step-0000003", shards)
+    (tmp_path / "run" / "latest").write_bytes(b"\xff\xfe")  # raw UnicodeDecodeError before
+    assert eval_top1.main(["--ckpt", str(tmp_path / "run"), "--split", "test",
+                           "--eval_batch_size=5"]) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: {tmp_path / 'run' / 'latest'} holds 2 bytes that are not a step folder "
+            f"name (not text); using the newest intact checkpoint {checkpoint} instead") in err
 
 
 def test_a_bad_latest_skips_a_damaged_step_folder_too(tmp_path: Path,
