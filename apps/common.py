@@ -21,9 +21,11 @@ import datetime
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -198,6 +200,11 @@ class CheckpointError(FileNotFoundError):
     """No checkpoint where one was expected; the message says which command writes one."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (full disk, quota, ...); the message says which one,
+    which earlier checkpoint is intact, and how to continue."""
+
+
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
     """The folder of the checkpoint taken after ``step`` optimizer steps."""
     return out_dir / f"step-{step:07d}"
@@ -219,12 +226,76 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
 
 
 def refuse_existing_run(out_dir: Path) -> None:
-    """A fresh run must not overwrite another's checkpoints: ask for --resume or a new out_dir."""
-    if (out_dir / LATEST).exists():
+    """A fresh run must not overwrite another's checkpoints: ask for --resume or a new out_dir.
+
+    A run is there when ``latest`` is valid or a step folder holds a checkpoint; a damaged
+    ``latest`` alone (nothing to resume) does not stop a new run, which replaces it.
+    """
+    name, _ = read_latest(out_dir)
+    if name is not None or any((p / "index.json").is_file() for p in out_dir.glob("step-*")):
         raise ConfigError(
             f"out_dir={out_dir} already holds a run (see {out_dir / LATEST}); pass --resume to "
             "continue it, or another --out_dir"
         )
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """ConfigError unless ``out_dir`` is a folder this process can write (created if missing).
+
+    Every rank calls it before the process groups exist, so a file in the way or a folder
+    without write permission is one line from every rank at once, not a traceback on rank 0
+    that the others report as a hang. A real write is tried (``os.access`` says yes to root on
+    a read-only filesystem)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"out_dir={out_dir} is a file, not a folder; pass another --out_dir "
+                          "(or move the file away)")
+    probe = out_dir / f".write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        where = f" at {error.filename}" if error.filename else ""
+        raise ConfigError(
+            f"out_dir={out_dir} cannot be written ({error.strerror or error}{where}); pass "
+            "another --out_dir, or make it writable for this user"
+        ) from None
+
+
+_HELD_LOCKS: dict[Path, Any] = {}  # out_dir -> its open lock file, released at exit
+
+
+def lock_out_dir(out_dir: Path) -> None:
+    """Hold ``out_dir/.lock`` (``flock``) until this process exits, so two runs never write one
+    out_dir at once: the second gets a ConfigError naming the pid and host of the first.
+
+    Call on global rank 0 only (``on_rank0``). The lock dies with its process (a crash or a
+    SIGKILL leaves no stale lock); the file stays, holding the last holder's pid and host.
+    ``flock`` holds across nodes on a shared filesystem that supports it (NFSv4 does, through
+    byte-range locks); a filesystem without locks fails here with its error.
+    """
+    import fcntl
+
+    path = (out_dir / ".lock").resolve()
+    if path in _HELD_LOCKS:  # this process again (a resume in the same test process)
+        return
+    file = open(path, "a+")  # noqa: SIM115 - held open for the life of the process
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "a process that has not written its pid yet"
+        file.close()
+        raise ConfigError(
+            f"out_dir={out_dir} is in use by another run ({holder}; see {path}); wait for it "
+            "to end or stop it, or pass another --out_dir"
+        ) from None
+    file.seek(0)
+    file.truncate()
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n")
+    file.flush()
+    _HELD_LOCKS[path] = file
 
 
 def train_state_path(checkpoint: Path, rank: int) -> Path:
@@ -263,22 +334,36 @@ def write_checkpoint(
     if rank == 0:
         own["config.yaml"] = config_yaml(config)
         own.update(files)
-    pipe.save_checkpoint(path, files=own)  # atomic files, then index.json; all ranks wait
-    if rank == 0:
-        publish_checkpoint(out_dir, path)
+    previous, _ = read_latest(out_dir)
+    try:
+        pipe.save_checkpoint(path, files=own)  # atomic files, then index.json; all ranks wait
+        if rank == 0:
+            publish_checkpoint(out_dir, path)
+    except OSError as error:  # a full disk, a quota, a lost mount: say what is still there
+        kept = (f"the previous checkpoint {out_dir / previous} is intact and {LATEST} still "
+                "names it" if previous else "there is no earlier checkpoint")
+        raise CheckpointWriteError(
+            f"could not write checkpoint {path}: {error}; {kept}; free space (or fix out_dir) "
+            "and continue with --resume"
+        ) from error
     return path
 
 
 def resolve_checkpoint(path: str | Path, *, train_command: str, verify: bool = True) -> Path:
-    """The checkpoint folder behind ``path``: a run's out_dir (via ``latest``) or a step folder.
+    """The checkpoint folder behind ``path``: a step folder, or a run's out_dir (its newest
+    checkpoint, as ``run_checkpoint`` finds it: ``latest`` if it is valid, else the newest intact
+    step folder, with a warning).
 
     ``train_command`` is quoted in the error when there is none (how to write one). With
     ``verify`` every file is checked against ``index.json`` (gp.CheckpointCorruptError names a
     damaged one).
     """
     path = Path(path)
-    if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+    if not (path / "index.json").is_file() and (
+        (path / LATEST).exists() or any(path.glob("step-*"))
+    ):
+        return run_checkpoint(path, train_command=train_command, skip_damaged=False,
+                              verbose=int(os.environ.get("RANK", "0")) == 0)
     if not (path / "index.json").is_file():
         raise CheckpointError(
             f"no checkpoint at {path} (neither {path / LATEST} nor {path / 'index.json'} "
@@ -287,6 +372,85 @@ def resolve_checkpoint(path: str | Path, *, train_command: str, verify: bool = T
     if verify:
         gp.verify_checkpoint(path)
     return path
+
+
+_STEP_NAME = re.compile(r"step-\d{7}")
+
+
+def read_latest(out_dir: Path) -> tuple[str | None, str | None]:
+    """What ``out_dir/latest`` says, as a hint: ``(name, None)`` when it names a step folder of
+    this run that holds an ``index.json``; ``(None, why)`` when it exists but cannot be used
+    (not text, empty, not a step folder name -- a path to another run is refused too -- or a
+    folder that holds no checkpoint); ``(None, None)`` when there is no ``latest``.
+
+    A torn or hand-edited ``latest`` must not lose a run whose step folders are intact, nor
+    send an evaluation to another run's checkpoint.
+    """
+    path = out_dir / LATEST
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as error:
+        return None, f"{path} is unreadable ({error.strerror or error})"
+    try:
+        text = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return None, f"{path} holds {len(data)} bytes that are not a step folder name (not text)"
+    if not text:
+        return None, f"{path} is empty"
+    if not _STEP_NAME.fullmatch(text):
+        shown = text if len(text) <= 200 else text[:197] + "..."
+        return None, (f"{path} holds {shown!r}, not the name of one of this run's step-NNNNNNN "
+                      "folders")
+    if not (out_dir / text / "index.json").is_file():
+        return None, f"{path} names {text}, which holds no complete checkpoint"
+    return text, None
+
+
+def run_checkpoint(out_dir: Path, *, train_command: str, skip_damaged: bool,
+                   verbose: bool) -> Path:
+    """The checkpoint of a run's ``out_dir`` that ``--resume``, the eval scripts, translate and
+    classify use (the one place that reads ``latest``).
+
+    ``latest`` is a hint (``read_latest``): when it is valid, the step folders after it are
+    ignored (left by a crash mid-checkpoint, or by a timeline a resume abandoned). When it is
+    not, every step folder is a candidate, and the newest one whose files verify is taken with
+    a warning (on stderr when ``verbose``) saying what was wrong. ``skip_damaged``: a damaged
+    checkpoint named by a valid ``latest`` is skipped for an older intact one (``--resume``)
+    rather than refused (evaluation, which must score the checkpoint it was asked for).
+    Every rank reaches the same answer from the same files.
+    """
+    name, problem = read_latest(out_dir)
+    candidates = sorted(
+        (p for p in out_dir.glob("step-*")
+         if p.is_dir() and _STEP_NAME.fullmatch(p.name) and (name is None or p.name <= name)),
+        reverse=True,
+    )
+    problems = [problem] if problem else []
+    damaged = False
+    for candidate in candidates:
+        try:
+            gp.verify_checkpoint(candidate)
+        except (gp.CheckpointCorruptError, FileNotFoundError) as error:
+            if candidate.name == name and not skip_damaged:
+                raise
+            problems.append(str(error))
+            damaged = True
+            continue
+        if problems and verbose:
+            verb = "resuming from" if skip_damaged else "using"
+            print(f"warning: {'; '.join(problems)}; {verb} the newest intact checkpoint "
+                  f"{candidate} instead", file=sys.stderr, flush=True)
+        return candidate
+    if damaged:
+        raise gp.CheckpointCorruptError(
+            f"no intact checkpoint in {out_dir}: {'; '.join(problems)}"
+        )
+    why = f" ({'; '.join(problems)})" if problems else ""
+    raise CheckpointError(
+        f"no checkpoint in {out_dir}{why}; train one with `{train_command}`"
+    )
 
 
 # config keys only one app has, and the script that evaluates that app's checkpoints
@@ -315,33 +479,11 @@ def require_app(checkpoint: Path, app: str) -> None:
 
 
 def resume_checkpoint(out_dir: Path, *, train_command: str, verbose: bool) -> Path:
-    """The newest intact checkpoint of a run: ``latest`` if every file verifies, else the
-    newest older ``step-*`` folder that does (with a warning naming the damaged files when
-    ``verbose``). Every rank reaches the same answer from the same files.
-    """
-    latest = None
-    if (out_dir / LATEST).is_file():
-        latest = (out_dir / LATEST).read_text().strip()
-    candidates = sorted(
-        (p for p in out_dir.glob("step-*") if p.is_dir() and (latest is None or p.name <= latest)),
-        reverse=True,
-    )
-    if not candidates:  # the error that says how to train one
-        return resolve_checkpoint(out_dir, train_command=train_command)
-    problems = []
-    for candidate in candidates:
-        try:
-            gp.verify_checkpoint(candidate)
-        except (gp.CheckpointCorruptError, FileNotFoundError) as error:
-            problems.append(str(error))
-            continue
-        if problems and verbose:
-            print(f"warning: {'; '.join(problems)}; resuming from the newest intact checkpoint "
-                  f"{candidate} instead", file=sys.stderr, flush=True)
-        return candidate
-    raise gp.CheckpointCorruptError(
-        f"no intact checkpoint in {out_dir} to resume from: {'; '.join(problems)}"
-    )
+    """The newest intact checkpoint of a run: ``latest`` if it is valid and every file
+    verifies, else the newest older ``step-*`` folder that does (``run_checkpoint``, with a
+    warning naming what was wrong when ``verbose``)."""
+    return run_checkpoint(out_dir, train_command=train_command, skip_damaged=True,
+                          verbose=verbose)
 
 
 class RunLogger:
@@ -360,11 +502,8 @@ class RunLogger:
             return
         self.path = out_dir / "log.jsonl"
         if resume_step and self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines()
-                if line and json.loads(line).get("step", 0) <= resume_step
-            ]
-            gp.write_atomic(self.path, "".join(line + "\n" for line in kept))
+            gp.write_atomic(self.path, "".join(line + "\n" for line in
+                                               self._records_until(resume_step)))
         elif self.path.exists():
             self.path.unlink()
         self.file = self.path.open("a")
@@ -386,6 +525,27 @@ class RunLogger:
             except Exception as error:  # noqa: BLE001 - logging must not stop training
                 print(f"warning: wandb disabled ({type(error).__name__}: {error})", file=sys.stderr)
                 self.run = None
+
+    def _records_until(self, resume_step: int) -> list[str]:
+        """The lines of log.jsonl up to ``resume_step``. A line that is not a JSON record (the
+        last one cut off by a crash or a full disk) is dropped with a warning: the log must not
+        stop a resume, and the steps it lacks are in the checkpoint's counters."""
+        kept, torn = [], []
+        text = self.path.read_bytes().decode("utf-8", errors="replace")
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                torn.append(number)
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= resume_step:
+                kept.append(line)
+        if torn:
+            print(f"warning: dropped line(s) {', '.join(map(str, torn))} of {self.path}: not "
+                  "JSON records (cut off by a crash or a full disk?)", file=sys.stderr, flush=True)
+        return kept
 
     def step(self, record: dict[str, Any]) -> None:
         """Append one step's record to log.jsonl."""
@@ -488,7 +648,8 @@ class Interrupted(Exception):
 
 
 CLEAR_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, CheckpointError, gp.CheckpointCorruptError, gp.PipelineFailure, DivergenceError,
+    ConfigError, CheckpointError, CheckpointWriteError, gp.CheckpointCorruptError,
+    gp.PipelineFailure, DivergenceError,
 )
 
 
@@ -516,6 +677,10 @@ def run_main(main: Callable[[], Any], *, command: str,
             _close_progress_bars()
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Exception as error:
+        # a bug: its traceback follows, but the other ranks name it rather than a hang
+        gp.report_failure(error)
+        raise
 
 
 def _close_progress_bars() -> None:

@@ -11,6 +11,7 @@ falls back to a default. ``save_config`` writes the resolved config next to a ch
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -42,10 +43,17 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(name, value, inner[0])
     if origin in (list, tuple, Sequence):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v != ""]
+        given = value
+        if isinstance(value, str):  # 2,2 or YAML's [2, 2] (or (2, 2))
+            value = [v.strip() for v in value.strip().strip("[]()").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            value = [value]  # YAML's `balance: 4` for a one-stage list
         item_type = args[0] if args else str
-        items = [_coerce(name, v, item_type) for v in value]
+        try:
+            items = [_coerce(name, v, item_type) for v in value]
+        except ConfigError as error:
+            form = "; give a list as 2,2 or [2, 2]" if "is not a valid" in str(error) else ""
+            raise ConfigError(f"{error} (in {name}={given!r}){form}") from None
         return tuple(items) if origin is tuple else items
     if annotation is bool:
         if isinstance(value, bool):
@@ -60,12 +68,24 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         try:
             if annotation is int and isinstance(value, str):
                 return int(float(value)) if "e" in value.lower() else int(value)
-            return annotation(value)
-        except (TypeError, ValueError) as exc:
+            result = annotation(value)
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(
                 f"{name}={value!r} is not a valid {annotation.__name__}"
             ) from exc
+        if annotation is float:
+            check_finite(name, result)
+        return result
     return value
+
+
+def check_finite(name: str, value: float) -> None:
+    """ConfigError unless ``value`` is a finite number: every float option of the apps passes
+    here (``_coerce``, by the dataclass field's type, and the scripts' own float flags), because
+    NaN compares false with every bound a ``validate()`` checks (``nan <= 0`` is False) and so
+    would slip through to a traceback, or silently switch a feature off (``clip_norm=nan``)."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={value} is not a finite number; give a finite value")
 
 
 def _apply(config: C, updates: dict[str, Any], source: str) -> C:

@@ -51,11 +51,16 @@ class _HashingWriter:
         self.file = file
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch.save hides it behind a RuntimeError
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -78,6 +83,8 @@ def write_atomic(path: str | Path, content: bytes | str | Any) -> FileEntry:
     """Write ``content`` to ``path`` atomically and durably; return its index entry.
 
     ``content``: bytes, text (UTF-8), or any other object, which is written with ``torch.save``.
+    On a failed write (a full disk: ENOSPC, a size limit: EFBIG) the temporary file is removed,
+    the file at ``path`` is as it was, and the OSError names ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,10 +97,20 @@ def write_atomic(path: str | Path, content: bytes | str | Any) -> FileEntry:
             elif isinstance(content, (bytes, bytearray)):
                 writer.write(bytes(content))
             else:
-                torch.save(content, writer)  # type: ignore[arg-type]
+                try:
+                    torch.save(content, writer)  # type: ignore[arg-type]
+                except RuntimeError:
+                    if writer.error is not None:  # "unexpected pos 704 vs 598" means ENOSPC
+                        raise writer.error from None
+                    raise
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
+    except OSError as error:  # e.g. ENOSPC from write or fsync, which name no file
+        tmp.unlink(missing_ok=True)
+        if error.filename is None and error.errno is not None:
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

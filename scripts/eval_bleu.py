@@ -20,6 +20,7 @@ Rank 0 prints and writes the report.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -157,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     out = args.out or str(Path(args.ckpt) / f"{args.split}_bleu")
     try:
+        if args.alpha is not None and not (math.isfinite(args.alpha) and args.alpha >= 0):
+            raise ConfigError(f"--alpha={args.alpha} must be a finite number >= 0 (0 = no "
+                              "length penalty)")
         report = evaluate_checkpoint(
             args.ckpt,
             split=args.split,

@@ -20,7 +20,9 @@ the command refuses (one line per bad image, exit status 2, nothing classified) 
 does not exist or is not an image PIL reads, and an image whose smaller side is below the
 smallest the network accepts (``min_image_size(stem_stride)``: each stride-2 reduction must
 still halve something); images between that and ``image_size`` are upscaled by the transform,
-with a warning on stderr.
+with a warning on stderr. An image of more than ``--max-image-pixels`` pixels (default
+178,956,970, the size PIL refuses as a possible decompression bomb; a 20000x20000 image has
+400M) is refused from its header, before decoding; pass a larger number, or 0, to allow it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,23 @@ class ImageError(ValueError):
     """An image that cannot be classified; the message names the file and the fix."""
 
 
+# The most pixels an image may have (--max-image-pixels): PIL's own decompression-bomb limit
+# (twice Image.MAX_IMAGE_PIXELS, 179M), which this command checks itself so that the refusal
+# is one line naming the option instead of PIL's DecompressionBombError.
+MAX_IMAGE_PIXELS = 2 * 89_478_485
+
+
+@contextmanager
+def _pil_size_check_off() -> Iterator[None]:
+    """PIL's global decompression-bomb check off (``load_images`` applies its own limit)."""
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
 def checkpoint_classes(checkpoint: Path, config: AmoebaNetConfig) -> list[str]:
     """Class names in label order: the checkpoint's run.json, else the dataset's, else class<i>."""
     try:
@@ -67,10 +87,13 @@ def checkpoint_classes(checkpoint: Path, config: AmoebaNetConfig) -> list[str]:
     return list(classes)
 
 
-def load_images(paths: Sequence[str], config: AmoebaNetConfig) -> tuple[Tensor, list[str]]:
+def load_images(paths: Sequence[str], config: AmoebaNetConfig, *,
+                max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[Tensor, list[str]]:
     """The images at ``paths`` through the config's eval transform, as one batch; and warnings.
 
-    ImageError listing every file that is missing, unreadable or too small for the network.
+    ImageError listing every file that is missing, unreadable, too small for the network, or
+    of more than ``max_pixels`` pixels (0 = no limit), checked from the file's header before
+    any pixel is decoded.
     """
     transform = build_transform(config, training=False)
     mode = "L" if config.in_chans == 1 else "RGB"
@@ -80,7 +103,15 @@ def load_images(paths: Sequence[str], config: AmoebaNetConfig) -> tuple[Tensor, 
     warnings: list[str] = []
     for path in paths:
         try:
-            with Image.open(path) as image:
+            with _pil_size_check_off(), Image.open(path) as image:
+                width, height = image.size
+                if max_pixels and width * height > max_pixels:
+                    problems.append(
+                        f"{path}: {width}x{height} = {width * height:,} pixels is more than "
+                        f"--max-image-pixels={max_pixels:,} (a guard against decompression "
+                        "bombs); if you trust the file, pass a larger --max-image-pixels, or 0 "
+                        "for no limit")
+                    continue
                 image.load()
                 pixels = image.convert(mode)
         except FileNotFoundError:
@@ -133,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                        help="refuse larger images, a guard against decompression bombs "
+                        f"(default {MAX_IMAGE_PIXELS:,}, PIL's; 0 = no limit)")
     args, overrides = parser.parse_known_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.top < 1 or args.batch_size < 1:
         return fail(f"--top={args.top} and --batch-size={args.batch_size} must be >= 1")
+    if args.max_image_pixels < 0:
+        return fail(f"--max-image-pixels={args.max_image_pixels} must be >= 0 (0 = no limit)")
     unknown = [arg for arg in overrides if not arg.startswith("--")]
     if unknown:
         return fail(f"unexpected argument(s) {unknown}")
@@ -151,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.ckpt, train_command=TRAIN_COMMAND.format(out_dir=args.ckpt))
         require_app(checkpoint, "amoebanet")
         config = load_amoebanet_config([f"--config={checkpoint / 'config.yaml'}", *overrides])
-        images, warnings = load_images(args.images, config)
+        images, warnings = load_images(args.images, config, max_pixels=args.max_image_pixels)
         classes = checkpoint_classes(checkpoint, config)
         model = load_model(config, checkpoint, torch.device(args.device))
     except (CheckpointError, gp.CheckpointCorruptError, ConfigError, ImageError) as error:

@@ -125,9 +125,22 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be positive")
     for key in ("num_workers", "eval_every_epochs", "ckpt_every", "max_minutes",
-                "max_loss_factor", "train_steps", "budget_minutes"):
+                "max_loss_factor", "color_jitter", "mixup", "cutmix", "weight_decay",
+                "warmup_epochs", "warmup_lr", "min_lr", "train_steps", "budget_minutes"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
+    for key in ("lr", "opt_eps", "decay_epochs", "decay_rate"):
+        if getattr(config, key) <= 0:
+            raise ConfigError(f"{key}={getattr(config, key)} must be positive")
+    for key in ("drop_path", "dropout", "label_smoothing", "momentum", "rmsprop_decay"):
+        if not 0.0 <= getattr(config, key) < 1.0:
+            raise ConfigError(f"{key}={getattr(config, key)} must be in [0, 1)")
+    for key in ("hflip", "crop_scale_min", "crop_pct"):
+        value = getattr(config, key)
+        if not (0.0 <= value <= 1.0 if key == "hflip" else 0.0 < value <= 1.0):
+            raise ConfigError(f"{key}={value} must be in {'[0, 1]' if key == 'hflip' else '(0, 1]'}")
+    if min(config.std) <= 0:
+        raise ConfigError(f"std={config.std} must be positive (images are divided by it)")
     if (config.mixup > 0 or config.cutmix > 0) and config.batch_size % 2:
         raise ConfigError(f"mixup/cutmix need an even batch_size, got {config.batch_size}")
     if config.batch_size % config.chunks and config.num_stages > 1:

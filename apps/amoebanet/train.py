@@ -78,10 +78,12 @@ from apps.common import (
     Interrupt,
     RunLogger,
     check_loss,
+    check_out_dir,
     check_resumable,
     checkpoint_dir,
     choose_balance,
     load_train_state,
+    lock_out_dir,
     on_rank0,
     refuse_existing_run,
     resume_checkpoint,
@@ -213,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- config (errors here stop every rank before any process group exists) -------------
     options, config = parse_args(sys.argv[1:] if argv is None else argv)
     check_dataset(config)
+    check_out_dir(Path(config.out_dir))  # every rank, before any process group: one line
     # one thread per rank: the stages are the parallelism on CPU; every collective fails within
     # timeout_s (naming the rank that hangs); the one long wait, for rank 0 to prepare the data,
     # is on the store instead (on_rank0)
@@ -223,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     num_replicas, replica, master, say = run.num_replicas, run.replica, run.master, run.say
     use_cuda = device.type == "cuda"
     out_dir = Path(config.out_dir)
+
+    # one run per out_dir at a time: rank 0 holds its lock until it exits
+    on_rank0(lambda: lock_out_dir(out_dir), what="locking out_dir")
 
     # --- data: Fashion-MNIST prepared once by rank 0; the others wait ---------------------
     on_rank0(lambda: prepare_fashion_mnist(config), what="preparing Fashion-MNIST")

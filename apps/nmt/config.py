@@ -146,13 +146,14 @@ class NMTConfig:
                 raise ConfigError(f"{name}={value} must be positive")
         non_negative = (
             "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every max_train_tokens "
-            "max_loss_factor train_steps budget_minutes"
+            "max_loss_factor length_penalty train_steps budget_minutes"
         )
         for name in non_negative.split():
             value = getattr(self, name)
             if value < 0:
                 raise ConfigError(f"{name}={value} must be >= 0")
-        for name in ("dropout", "attention_dropout", "label_smoothing"):
+        for name in ("dropout", "attention_dropout", "label_smoothing", "adam_beta1",
+                     "adam_beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name}={value} must be in [0, 1)")

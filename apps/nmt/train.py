@@ -44,10 +44,12 @@ from apps.common import (
     Interrupt,
     RunLogger,
     check_loss,
+    check_out_dir,
     check_resumable,
     checkpoint_dir,
     choose_balance,
     load_train_state,
+    lock_out_dir,
     on_rank0,
     refuse_existing_run,
     resume_checkpoint,
@@ -252,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     # --- config ---------------------------------------------------------------------------
     config = load_nmt_config(sys.argv[1:] if argv is None else argv)
+    check_out_dir(Path(config.out_dir))  # every rank, before any process group: one line
     # every collective fails within timeout_s (naming the rank that hangs); the long waits, for
     # rank 0 to prepare the corpus or for replica 0 to evaluate, are on the store (on_rank0)
     run = setup_run(num_stages=config.num_stages, device=config.device,
@@ -261,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     num_replicas, replica, master, say = run.num_replicas, run.replica, run.master, run.say
     use_cuda = device.type == "cuda"
     out_dir = Path(config.out_dir)
+
+    # one run per out_dir at a time: rank 0 holds its lock until it exits
+    on_rank0(lambda: lock_out_dir(out_dir), what="locking out_dir")
 
     # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------
     on_rank0(lambda: prepare_corpus(config), what="preparing the corpus")

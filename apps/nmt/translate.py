@@ -14,6 +14,8 @@ the checkpoint's config (``beam_size``, ``length_penalty``); ``--beam-size 1`` i
 Every input line gives exactly one output line, in order, so the output pairs with the input:
 
 - an empty (or all-whitespace) line gives an empty line, without calling the model;
+- a ``--lang`` the tokenizer knows but the model was not trained on (not in the config's
+  ``languages``) is translated, with a warning: its tag's embedding never learned anything;
 - a line longer than the model's positions (``max_positions`` tokens, the language tag
   included) is truncated to that many tokens, with a warning on stderr naming the line;
 - the output of a sentence is at most ``--max-len`` tokens (default: the config's
@@ -42,6 +44,7 @@ match, an unknown language, an unreadable input file) print one line and exit wi
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -164,8 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             return fail(f"--{name.replace('_', '-')}={value} must be >= 1")
-    if args.length_penalty is not None and args.length_penalty < 0:
-        return fail(f"--length-penalty={args.length_penalty} must be >= 0 (0 = no penalty)")
+    alpha = args.length_penalty
+    if alpha is not None and not (math.isfinite(alpha) and alpha >= 0):
+        return fail(f"--length-penalty={args.length_penalty} must be a finite number >= 0 "
+                    "(0 = no penalty)")
     source: TextIO = sys.stdin
     if args.input is not None:
         try:
@@ -183,6 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.lang not in tokenizer.languages:
         return fail(f"--lang={args.lang} is not a language of this model's tokenizer; use one "
                     f"of: {' '.join(tokenizer.languages)}")
+    trained = config.languages or tokenizer.languages  # empty config list = every language
+    if args.lang not in trained and rank == 0:
+        # the tag has an embedding, but an untrained one: allowed (zero-shot), never silent
+        print(f"warning: --lang={args.lang} is in the tokenizer but this model was not trained "
+              f"on it (trained: {' '.join(trained)}); expect poor translations",
+              file=sys.stderr, flush=True)
     max_len = args.max_len or config.max_decode_len
     if max_len + 1 > config.max_positions:
         return fail(f"--max-len={max_len} + 1 (BOS) exceeds the model's max_positions="

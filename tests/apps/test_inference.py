@@ -24,6 +24,7 @@ from tests.apps import test_nmt_train as nmt_tests
 from tests.apps.test_amoebanet_train import CLASSES, shards  # noqa: F401
 from tests.apps.test_nmt_data import build_locale_tree
 from tests.apps.test_nmt_train import corpus  # noqa: F401
+from tests.conftest import FLOAT32_REORDERED_REL
 from tests.distributed import launch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -233,7 +234,9 @@ def test_pipelined_top1_equals_the_single_process_numbers(amoebanet_run: Path, t
         assert piped["balance"] == saved["balance"]  # each rank read only its own shard
     for key in ("images", "top1", "top5", "confusion", "per_class_top1"):
         assert piped[key] == single[key], key
-    assert piped["loss"] == pytest.approx(single["loss"], rel=1e-9)
+    # float32 logits of other batch shapes (micro-batches, or replicas taking every other
+    # batch) summed in another order: 1e-9 failed once at 1.46e-9 (2 replicas x 1 stage)
+    assert piped["loss"] == pytest.approx(single["loss"], rel=FLOAT32_REORDERED_REL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from apps.nmt.model import token_cross_entropy_sum
 from data.gettext_m2en.prepare import prepare
 from scripts.eval_bleu import TokenizerMismatch, evaluate_checkpoint
 from tests.apps.test_nmt_data import build_locale_tree
+from tests.conftest import FLOAT32_REORDERED_REL
 from tests.distributed import launch
 from tests.distributed.launch import spawn
 
@@ -143,7 +144,8 @@ def test_evaluation_during_training_runs_through_the_pipeline(corpus: Path,
     assert loaded.model is not None
     plain_loss = mean_token_loss(loaded.model, loaded.config, split="dev", max_per_lang=6)
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["dev_loss"] == pytest.approx(plain_loss, abs=1e-5)
+    # float32: the pipeline's micro-batches against one process's batches (FLOAT32_REORDERED_REL)
+    assert summary["dev_loss"] == pytest.approx(plain_loss, rel=FLOAT32_REORDERED_REL)
 
     model = build_model(loaded.config, device="meta")
     stage_parameters = [sum(p.numel() for p in model[:balance[0]].parameters()),
