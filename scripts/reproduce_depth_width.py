@@ -44,8 +44,7 @@ from apps.nmt.evaluate import (  # noqa: E402
     train_languages,
     translate,
 )
-from scripts.nmt_runs import Run, read_log, train  # noqa: E402
-from scripts.reproduce_stability import parse_settings  # noqa: E402
+from scripts.nmt_runs import Run, parse_settings, read_log, train  # noqa: E402
 
 BUCKETS = ("high", "medium", "low")
 # (name, minuend, subtrahend): the paper's two comparisons
