@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from apps.nmt.config import replace
 from data.gettext_m2en.prepare import prepare
 from scripts import reproduce_depth_width, reproduce_stability
 from scripts.nmt_runs import divergence_step, loss_spikes, write_result
@@ -152,31 +153,106 @@ def test_stability_confirmation_runs_through_distributed_gpipe(corpus: Path,
     assert {r["name"] for r in summary["confirm"]} == set(expected)
 
 
+# --- issue 21, part 2: depth against width ------------------------------------------------------
+
+
+def fake_test(losses: list[float], tokens: list[float], bleu_hits: int = 1) -> dict[str, object]:
+    """A run's per-language test record with given sentence losses and BLEU statistics."""
+    n = len(losses)
+    # BLEU sufficient statistics per sentence: [hyp_len, ref_len, 4 x matches, 4 x totals]
+    bleu = [[4, 4, bleu_hits, 0, 0, 0, 4, 3, 2, 1]] * n
+    chrf = [[1.0] * 18] * n
+    return {"loss": losses, "tokens": tokens, "bleu_stats": bleu, "chrf_stats": chrf,
+            "copy_bleu_stats": bleu, "copy_chrf_stats": chrf}
+
+
+BUCKETS = {"hi1": "high", "hi2": "high", "lo1": "low", "lo2": "low"}
+
+
+def test_d_statistic_is_zero_for_identical_models() -> None:
+    test = {lang: fake_test([3.0 + i, 5.0, 2.5], [3.0, 4.0, 2.0]) for i, lang in
+            enumerate(BUCKETS)}
+    runs = {"deep": {0: test, 1: test}, "wide": {0: test, 1: test}}
+    for metric in ("loss", "bleu", "chrf"):
+        d = reproduce_depth_width.d_statistic(runs, BUCKETS, metric, n_boot=30)
+        assert d["point"] == 0.0 and d["ci95"] == [0.0, 0.0] and d["seeds"] == [0, 1]
+
+
+def test_d_statistic_recovers_a_low_resource_gain_built_in() -> None:
+    # every sentence of a low language costs the deep model 0.5 nats/token less than the wide
+    # one, high languages cost the same: D = (-0.5) - 0 whatever the resample
+    tokens = [2.0, 3.0, 5.0, 4.0]
+    base = [2.0 * t for t in tokens]
+    wide = {lang: fake_test(base, tokens) for lang in BUCKETS}
+    deep = {lang: fake_test([b - 0.5 * t for b, t in zip(base, tokens, strict=True)]
+                            if bucket == "low" else base, tokens)
+            for lang, bucket in BUCKETS.items()}
+    runs = {"deep": {0: deep, 1: deep}, "wide": {0: wide, 1: wide}}
+    d = reproduce_depth_width.d_statistic(runs, BUCKETS, "loss", n_boot=50)
+    assert d["point"] == pytest.approx(-0.5) and d["ci95"] == pytest.approx([-0.5, -0.5])
+    # a seed the wide model lacks is left out (pairs only); one seed shifted widens the interval
+    deep_noisy = {lang: fake_test([b + (1.0 * t if bucket == "low" else 0.0) for b, t in
+                                   zip(base, tokens, strict=True)], tokens)
+                  for lang, bucket in BUCKETS.items()}
+    runs = {"deep": {0: deep, 1: deep_noisy, 2: deep}, "wide": {0: wide, 1: wide}}
+    d = reproduce_depth_width.d_statistic(runs, BUCKETS, "loss", n_boot=200)
+    assert d["seeds"] == [0, 1] and d["point"] == pytest.approx((-0.5 + 1.0) / 2)
+    assert d["ci95"][0] == pytest.approx(-0.5) and d["ci95"][1] == pytest.approx(1.0)
+
+
+def test_bucket_d_by_hand() -> None:
+    values = {"deep": {"hi1": 4.0, "hi2": 5.0, "lo1": 6.0, "lo2": 7.0},
+              "wide": {"hi1": 4.5, "hi2": 5.5, "lo1": 5.0, "lo2": 7.0}}
+    # (deep - wide): high -0.5, -0.5 -> -0.5; low +1.0, 0.0 -> +0.5; D = 0.5 - (-0.5)
+    assert reproduce_depth_width.bucket_d(values, BUCKETS) == pytest.approx(1.0)
+
+
+def test_depth_width_configs_have_equal_parameters_and_the_same_init() -> None:
+    from apps.nmt.config import load_nmt_config
+
+    configs = {arch: load_nmt_config([f"--config={name}"])
+               for arch, name in reproduce_depth_width.ARCHS.items()}
+    counts = reproduce_depth_width.check_equal_parameters(configs, 0.01)
+    assert abs(counts["deep"] - counts["wide"]) <= 0.01 * max(counts.values())
+    deep, wide = configs["deep"], configs["wide"]
+    assert (deep.num_layers, deep.ffn_dim, deep.num_heads) == (12, 256, 2)
+    assert (wide.num_layers, wide.ffn_dim, wide.num_heads) == (6, 512, 4)
+    assert deep.scaled_init is wide.scaled_init is False  # the depth scaling is off for both
+    same = ("d_model", "head_dim", "vocab_size", "data_dir", "languages", "max_tokens", "lr",
+            "warmup_steps", "max_train_tokens", "ckpt_every", "dropout", "label_smoothing")
+    assert all(getattr(deep, k) == getattr(wide, k) for k in same)
+    with pytest.raises(SystemExit, match="differ by"):
+        reproduce_depth_width.check_equal_parameters(
+            {"deep": deep, "wide": replace(wide, ffn_dim=1024)}, 0.01)
+
+
 @pytest.mark.slow
-@pytest.mark.distributed
-def test_depth_width_script_scores_paired_differences(corpus: Path, tmp_path: Path) -> None:
-    # the same config in all three roles: same seed, same batches, so the models are identical
-    # and every paired difference must be exactly zero, interval included
-    out = tmp_path / "out"
-    reproduce_depth_width.main([
-        "--deep", "tiny", "--wide", "tiny", "--small", "tiny", "--steps", "3", "--bootstrap", "50",
-        "--runs-dir", str(tmp_path / "runs"), "--out", str(out), "--threads", "1",
-        "--set", *tiny_settings(corpus),
-    ])
-    result = json.loads((out / "depth_width.json").read_text())
-    assert set(result["runs"]) == {"deep", "wide", "small"}
-    assert {run["steps"] for run in result["runs"].values()} == {3}
-    assert len({run["tokens"] for run in result["runs"].values()}) == 1  # equal token budget
-    for split in ("test", "held_out"):
-        scores = result[split]
-        assert set(scores["languages"]) == {"de", "fr", "ru", "pt_BR"}
-        for row in [*scores["languages"].values(), *scores["buckets"].values()]:
-            for name in ("deep_minus_wide", "deep_minus_small"):
-                assert row[f"{name}_bleu"] == {"mean": 0.0, "ci95": [0.0, 0.0]}
-                assert row[f"{name}_loss"] == {"mean": 0.0, "ci95": [0.0, 0.0]}
-            low, high = row["deep_bleu"]["ci95"]
-            assert 0 <= low <= high <= 100
-            assert "copy_bleu" in row and "copy_chrf" in row
-    held, test = result["held_out"]["languages"], result["test"]["languages"]
-    assert all(held[x]["sentences"] > test[x]["sentences"] for x in test)
-    assert (out / "depth_width.png").stat().st_size > 0
+def test_depth_width_quick_sweep_scores_runs_at_matched_tokens(corpus: Path,
+                                                               tmp_path: Path) -> None:
+    out, runs = tmp_path / "depth_width", tmp_path / "runs"
+    args = ["--quick", "--bootstrap", "20", "--out", str(out), "--runs-dir", str(runs),
+            "--set", f"data_dir={corpus}", "packages=none", "vocab_size=400"]
+    summary = reproduce_depth_width.main(args)
+    assert summary["ran_now"] == ["deep_s0", "wide_s0", "deep_s1", "wide_s1"]
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("[dw]*.json")}
+    assert set(results) == set(summary["ran_now"])
+    for name, result in results.items():
+        assert {"commit", "torch", "utc", "loadavg", "seed"} <= set(result)
+        assert result["seed"] == int(name[-1]) and result["steps"] == 6
+        assert [c["step"] for c in result["dev_curve"]] == [3, 6]
+        assert result["best_step"] in (3, 6)
+        assert set(result["test"]) == {"de", "fr", "ru", "pt_BR"}
+        assert sum(result["pairs_seen"].values()) > 0 and all(
+            e > 0 for e in result["epochs"].values())
+        assert not list((runs / name).glob("step-*"))
+    for seed in (0, 1):  # identical batches per seed: the same tokens at every checkpoint
+        deep, wide = results[f"deep_s{seed}"], results[f"wide_s{seed}"]
+        assert [c["tokens"] for c in deep["dev_curve"]] == [c["tokens"] for c in wide["dev_curve"]]
+        assert deep["pairs_seen"] == wide["pairs_seen"]
+        assert deep["T"] != wide["T"]
+    for metric in ("loss", "bleu", "chrf"):
+        d = summary["D"][metric]
+        assert d["seeds"] == [0, 1] and d["ci95"][0] <= d["point"] <= d["ci95"][1]
+    assert (out / "_summary.json").exists() and (out / "_dev_loss.png").stat().st_size > 0
+    again = reproduce_depth_width.main(args)
+    assert again["ran_now"] == [] and again["D"]["loss"]["point"] == summary["D"]["loss"]["point"]
