@@ -473,6 +473,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parameters = check_equal_parameters(configs, 1.0 if args.quick else PARAMETER_TOLERANCE)
     ran: list[str] = []
     if args.phase in ("all", "train"):
+        # the corpus once, here, before runs start in parallel (each would build it otherwise)
+        from apps.nmt.train import prepare_corpus
+
+        prepare_corpus(configs["deep"])
         def work(name: str) -> None:
             arch, settings = specs[name]
             run_one(name, arch, settings, out=args.out, runs_dir=args.runs_dir,

@@ -476,6 +476,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def results() -> list[dict[str, Any]]:
         return read_results(out)
 
+    if args.phase != "report":
+        # the corpus once, here, before runs start in parallel (each would build it otherwise)
+        from apps.nmt.config import load_nmt_config
+        from apps.nmt.train import prepare_corpus
+
+        prepare_corpus(load_nmt_config([f"--{k}={v}" for k, v in base.items()]))
     ran: dict[str, list[str]] = {}
     if args.phase in ("all", "main"):
         specs = {run_name(n, a, lr, 0): (settings_of(base, n, a, lr, 0), a)
