@@ -127,7 +127,7 @@ QUICK: dict[str, Any] = {
     "config": "tiny", "max_steps": 6, "warmup_steps": 2, "num_stages": 1, "chunks": 1,
     "label_smoothing": 0.0, "clip_norm": 0.0, "dropout": 0.0, "eval_max_sentences": 2,
     "beam_size": 1, "max_decode_len": 4, "log_every": 2, "eval_every": 0, "ckpt_every": 0,
-    "max_loss_factor": 1.5, "scaled_init": False, "hold_memory": False,
+    "max_loss_factor": 1.5, "scaled_init": False, "hold_memory": False, "record_attention": True,
 }
 QUICK_CONFIRM: dict[str, Any] = {"num_stages": 2, "chunks": 2}
 

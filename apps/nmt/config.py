@@ -44,9 +44,10 @@ class NMTConfig:
     norm: str = "pre"
     qk_norm: bool = False  # LayerNorm over each head's queries and keys (a stability comparator)
     z_loss: float = 0.0  # weight w of the z-loss, w * (log Z)^2 per target token; 0 = off
-    # log each attention's largest logit q.k/sqrt(head_dim) per step (one extra product per
-    # attention in training); log Z and the largest |logit| are logged either way
-    record_attention: bool = True
+    # log each attention's largest logit q.k/sqrt(head_dim) per step: one extra q.k product
+    # per attention in training, so off unless an experiment needs it (cpu_stability.yaml);
+    # log Z and the largest |logit| are logged either way
+    record_attention: bool = False
     share_embeddings: bool = True  # one embedding table for source and target tokens
     tie_output: bool = False  # output projection reuses the target table (needs num_stages=1)
     max_positions: int = 128  # longest source or target sequence the model accepts

@@ -52,7 +52,7 @@ Choices, stated once:
   (``clipped_fraction``). The record is a running maximum (and sum) over forwards (all
   micro-batches of a step) until ``activation_stats`` reads and resets it. For issue 21's
   stability sweep, ``stability_stats`` reads (and resets) two more records: the largest
-  attention logit q.k / sqrt(head_dim) of every attention (``record_attention``; one extra
+  attention logit q.k / sqrt(head_dim) of every attention (``record_attention``, off by default; one extra
   [B,A,Lq,Lk] product per attention in training, nothing in evaluation) and the sums of
   log Z of the output softmax at non-padding positions.
 - ``norm="post"`` builds the original Transformer's post-norm blocks,
@@ -662,7 +662,7 @@ def transformer(
     pad_id: int = 0,
     norm: str = "pre",
     qk_norm: bool = False,
-    record_attention: bool = True,
+    record_attention: bool = False,
 ) -> nn.Sequential:
     """T(num_layers, ffn_dim, num_heads) at width ``d_model`` as one ``nn.Sequential``.
 

@@ -36,7 +36,8 @@ def _seed_and_threads() -> None:
 
 
 def tiny_config(**changes: object) -> NMTConfig:
-    return replace(load_nmt_config(["--config=tiny"]), **changes)
+    """The tiny config with the attention-logit record on (off by default: it costs a product)."""
+    return replace(load_nmt_config(["--config=tiny"]), **{"record_attention": True, **changes})
 
 
 def random_batch(batch: int = 6, src_len: int = 9, tgt_len: int = 7,
@@ -63,6 +64,7 @@ def test_issue21_options_are_accepted_and_checked() -> None:
         tiny_config(z_loss=-1.0)
     defaults = NMTConfig()
     assert (defaults.norm, defaults.qk_norm, defaults.z_loss) == ("pre", False, 0.0)
+    assert defaults.record_attention is False
 
 
 # --- post-norm -----------------------------------------------------------------------------
