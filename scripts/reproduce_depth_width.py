@@ -26,10 +26,10 @@ Pre-norm, logits clipped at 20, dropout 0.1, label smoothing 0.1, Adam 3e-3, war
 inverse square root, gradient clip 1.0, 1,024 padded tokens per step; one process per run, two
 runs at a time.
 
-Budget: a fixed token budget (``max_train_tokens`` in the configs: 12M source + target tokens)
-for every run; seeds 0, 1, 2 for each architecture. A seed fixes the data order and the init:
+Budget: a fixed token budget (``max_train_tokens`` in the configs: 16M source + target tokens,
+about 9,800 steps) for every run; seeds 0, 1, 2 for each architecture. A seed fixes the data order and the init:
 deep and wide of one seed train on identical batches in identical order. A checkpoint every
-``ckpt_every`` steps (8 per run at this budget), the same steps for both architectures.
+``ckpt_every`` (1,250) steps, 8 per run, the same steps for both architectures.
 
 Scoring (after each run, on its checkpoints):
 - per-language dev loss (nats per target token, no label smoothing) at every checkpoint: the

@@ -393,7 +393,8 @@ def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], out: 
         ax.set_title(f"{norm}-norm: final loss (x = diverged, at its initial loss)", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final training cross entropy (nats/token)")
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "_final_loss.png", dpi=90)
     plt.close(fig)
@@ -424,7 +425,8 @@ def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], out: 
                 if col == 0:
                     ax.set_ylabel(label, fontsize=8)
                 ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
+        if axes[0][0].get_legend_handles_labels()[0]:
+            axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{norm}-norm trajectories, seed 0", fontsize=10)
         fig.tight_layout()
         fig.savefig(out / f"_trajectories_{norm}.png", dpi=80)
