@@ -39,7 +39,8 @@ Rules (applied to each run's per-step ``log.jsonl``):
 - left the unigram plateau: final loss below the unigram entropy of the training targets
   (computed from the corpus) minus 0.1 nats.
 
-Seeds phase: for each norm, the rates at which the arms differ (seed 0): some arm diverged
+Seeds phase (once a norm's main grid is complete; the rules read the whole grid, never part
+of it): for each norm, the rates at which the arms differ (seed 0): some arm diverged
 and another did not, or the arms' final losses span more than 0.1 nats. At most the two
 such rates with the largest span per norm (ties: the larger rate); there every arm runs with
 seeds 1 and 2 (up to 2 x 2 x 5 x 2 = 40 runs). Reported: mean and spread of the final loss
@@ -49,7 +50,7 @@ Comparators phase (run after the main phase; the issue calls them optional): ``z
 (``neither`` + z-loss 1e-4, PaLM's weight) and ``qk_norm`` (``neither`` + qk-layernorm), at
 every rate and norm, seed 0 (24 runs), reported as two more arms.
 
-Confirmation phase: the 128-layer T(64, 256, 2) (64 + 64 layers, otherwise ``BASE``) through
+Confirmation phase (also once the main grid is complete): the 128-layer T(64, 256, 2) (64 + 64 layers, otherwise ``BASE``) through
 ``DistributedGPipe`` on 2 stages (2 processes, 2 micro-batches). Boundary rates per norm:
 ``lr_div``, the smallest rate at which some main-phase arm diverged, and the rate below it;
 if no arm diverged for that norm, the single rate of largest span. Arms ``neither`` and
@@ -489,11 +490,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         specs = {run_name(n, a, lr, 0): (settings_of(base, n, a, lr, 0), a)
                  for n in norms for a in arms for lr in lrs}
         ran["main"] = run_pending(list(specs), out, work_for("main", specs, 1), jobs=jobs)
+    def main_grid(norm: str) -> list[dict[str, Any]] | None:
+        """The main phase's results of ``norm`` if its grid is complete, else None: the
+        rules that pick rates for the later phases read the whole grid, never a part of it."""
+        rows = [r for r in results() if r["group"] == "main" and r["norm"] == norm]
+        missing = len(arms) * len(lrs) - len({(r["arm"], r["lr"]) for r in rows})
+        if missing:
+            print(f"{norm}-norm: {missing} main-phase runs have no result yet; the seeds and "
+                  "confirmation phases wait for the whole grid (run --phase main first)",
+                  file=sys.stderr, flush=True)
+            return None
+        return rows
+
     if args.phase in ("all", "seeds"):
         specs = {}
         for norm in norms:
-            seed0 = [r for r in results() if r["group"] == "main" and r["norm"] == norm]
-            for lr in differing_rates(seed0):
+            seed0 = main_grid(norm)
+            for lr in differing_rates(seed0) if seed0 is not None else []:
                 for arm in arms:
                     for seed in EXTRA_SEEDS:
                         specs[run_name(norm, arm, lr, seed)] = (
@@ -507,8 +520,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.phase in ("all", "confirm"):
         specs = {}
         for norm in norms:
-            seed0 = [r for r in results() if r["group"] == "main" and r["norm"] == norm]
-            for lr in boundary_rates(seed0, lrs) if seed0 else []:
+            seed0 = main_grid(norm)
+            for lr in boundary_rates(seed0, lrs) if seed0 is not None else []:
                 for arm in confirm_arms:
                     specs[run_name(norm, arm, lr, 0, confirm=True)] = (settings_of(
                         base, norm, arm, lr, 0, confirm=confirm_over), arm)

@@ -135,13 +135,19 @@ def test_stability_confirmation_runs_through_distributed_gpipe(corpus: Path,
               "--set", f"data_dir={corpus}", "packages=none", "vocab_size=400"]
     # main-phase results made by hand: no divergence, arms 0.5 nats apart at 1e-3 only, so the
     # rule picks that single rate (one 2-process run keeps the test short)
+    rows = []
     for arm, final in (("neither", 5.0), ("clip10", 5.5)):
         for lr in reproduce_stability.QUICK_LRS:
-            row = {"name": f"pre_{arm}_lr{lr:g}_s0", "group": "main", "norm": "pre", "arm": arm,
-                   "lr": lr, "seed": 0, "diverged": False, "diverged_at": None,
-                   "initial_loss": 6.0, "final_loss": final if lr == 1e-3 else 5.0,
-                   "trajectory": {k: [] for k in reproduce_stability.TRAJECTORY_KEYS}}
-            write_result(out / f"{row['name']}.json", row)
+            rows.append({"name": f"pre_{arm}_lr{lr:g}_s0", "group": "main", "norm": "pre",
+                         "arm": arm, "lr": lr, "seed": 0, "diverged": False, "diverged_at": None,
+                         "initial_loss": 6.0, "final_loss": final if lr == 1e-3 else 5.0,
+                         "trajectory": {k: [] for k in reproduce_stability.TRAJECTORY_KEYS}})
+    for row in rows[:-1]:
+        write_result(out / f"{row['name']}.json", row)
+    # with a run of the grid missing, the rules have nothing to read: nothing is confirmed
+    partial = reproduce_stability.main([*common, "--phase", "confirm"])
+    assert partial["ran_now"]["confirm"] == []
+    write_result(out / f"{rows[-1]['name']}.json", rows[-1])
     summary = reproduce_stability.main([*common, "--phase", "confirm"])
     expected = ["L128_pre_neither_lr0.001_s0"]
     assert summary["ran_now"]["confirm"] == expected
