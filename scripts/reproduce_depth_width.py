@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
