@@ -496,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         plot(results, summary, args.out / "_dev_loss.png")
         for metric, d in summary["D"].items():
             print(f"D[{metric}] = {d['point']} 95% {d['ci95']} (seeds {d['seeds']})")
+    else:
+        print(f"no results in {args.out} yet: nothing to report", file=sys.stderr)
     return summary
 
 

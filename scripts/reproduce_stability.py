@@ -548,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if found:
         write_result(out / "_summary.json", summary)
         plot(found, summary, out)
+    else:
+        print(f"no results in {out} yet: nothing to report", file=sys.stderr)
     for norm, entry in summary["norms"].items():
         for arm, row in entry["arms"].items():
             print(f"{norm:<5}{arm:<12} sensitivity {row['lr_sensitivity']}  diverged "
