@@ -376,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         measured_whole_model(argv[1], Path(argv[2]), Path(argv[3]))
         return 0
 
-    from scripts.reproduce_stability import parse_settings
+    from scripts.nmt_runs import parse_settings
 
     parser = argparse.ArgumentParser(prog="python scripts/demo_large_nmt.py",
                                      description=__doc__.split("\n")[0])

@@ -136,3 +136,154 @@ def divergence_step(losses: Sequence[float], *, after: int) -> int | None:
         if index + 1 > after and loss > start:
             return index + 1
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# One result JSON per run, so that a sweep resumes where it stopped (issue 21)
+
+
+def provenance(seed: int) -> dict[str, Any]:
+    """What every result JSON records: commit (``+dirty`` with uncommitted changes), torch
+    version, UTC time, the machine's 1/5/15-minute load averages and core count, and the seed."""
+    import datetime
+
+    import torch
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=False)
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return {
+        "commit": commit,
+        "torch": torch.__version__,
+        "utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "cpu_count": os.cpu_count(),
+        "seed": seed,
+    }
+
+
+def write_result(path: Path, result: Mapping[str, Any]) -> None:
+    """Write a run's result JSON atomically (a sweep killed mid-write leaves no half file, so
+    the resumed sweep reruns that run rather than skipping it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1, ensure_ascii=False, allow_nan=True) + "\n")
+    partial.replace(path)
+
+
+def read_results(folder: Path) -> list[dict[str, Any]]:
+    """Every result JSON in ``folder`` (not the summary files, which start with ``_``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))
+            if not p.name.startswith("_")]
+
+
+def run_pending(names: Sequence[str], folder: Path, work: Any, *, jobs: int) -> list[str]:
+    """Call ``work(name)`` for each name without ``folder/<name>.json``, ``jobs`` at a time
+    (threads, each waiting on its own training process); the names it ran, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pending = [n for n in names if not (Path(folder) / f"{n}.json").exists()]
+    skipped = len(names) - len(pending)
+    if skipped:
+        print(f"{skipped} of {len(names)} runs already have results in {folder}: skipped",
+              file=sys.stderr, flush=True)
+    if jobs <= 1:
+        for name in pending:
+            work(name)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(work, pending))
+    return pending
+
+
+def stopped_as_diverged(run: Run) -> bool:
+    """Whether the trainer stopped the run on its divergence rule (apps.common.check_loss)."""
+    log_path = run.out_dir.with_name(run.out_dir.name + ".out")
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return run.returncode != 0 and ("DivergenceError" in text or "the run diverged" in text
+                                    or "loss is nan" in text or "loss is inf" in text)
+
+
+def drop_checkpoints(out_dir: Path) -> None:
+    """Delete a finished run's checkpoints (its log.jsonl, summary and config stay)."""
+    for step_dir in Path(out_dir).glob("step-*"):
+        shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def train_in_process(name: str, out_dir: Path, settings: Mapping[str, Any]) -> Run:
+    """One single-process run of ``apps.nmt.train`` inside this interpreter: the same training
+    code as ``train(..., nproc=1)`` without starting torchrun and a worker (each imports torch:
+    seconds per run, tens of seconds on a loaded machine). For the scripts' ``--quick``
+    settings; a sweep runs its jobs as processes (two at a time, and a crash stays contained).
+    Its output goes to ``<out_dir>.out``; an error is a result (``returncode`` 1), as there."""
+    import contextlib
+    import signal
+    import socket
+
+    import torch.distributed as dist
+
+    from apps.nmt import train as nmt_train
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    args = [f"--{key}={_format(value)}" for key, value in settings.items()]
+    args.append(f"--out_dir={out_dir}")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved_env = {key: os.environ.get(key) for key in env}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    log_path = out_dir.with_name(out_dir.name + ".out")
+    print(f"[{name}] (in process) {' '.join(args)}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    returncode = 0
+    os.environ.update(env)
+    try:
+        with log_path.open("w") as log, contextlib.redirect_stdout(log), \
+                contextlib.redirect_stderr(log):
+            try:
+                nmt_train.main(args)
+            except (Exception, SystemExit) as error:  # noqa: BLE001 - a failed run is a result
+                print(f"{type(error).__name__}: {error}", file=log, flush=True)
+                returncode = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    run = Run(name, out_dir, dict(settings), returncode, (time.monotonic() - started) / 60)
+    run.records = read_log(out_dir)
+    summary_path = out_dir / "summary.json"
+    if summary_path.exists():
+        run.summary = json.loads(summary_path.read_text())
+    print(f"[{name}] {'ok' if returncode == 0 else f'failed (see {log_path})'}, "
+          f"{len(run.records)} steps, {run.wall_minutes:.2f} min", file=sys.stderr, flush=True)
+    return run
+
+
+def parse_settings(pairs: Sequence[str]) -> dict[str, str]:
+    """``--set key=value ...`` of the experiment scripts as a dict."""
+    settings = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --set {pair!r}: expected key=value (e.g. --set max_tokens=512)")
+        settings[key.strip().lstrip("-")] = value
+    return settings

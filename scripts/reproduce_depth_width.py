@@ -1,26 +1,69 @@
-"""The paper's depth-against-width finding at CPU scale, with the capacity step before it.
+"""Depth against width where transfer is possible (issue 21, part 2): a deep-narrow and a
+shallow-wide Transformer of equal size on a mix in which every low-resource language has a
+high-resource relative, several seeds each, scored by how much more depth helps the low bucket
+than the high one.
 
-    python scripts/reproduce_depth_width.py        # or: make reproduce-depth-width
-        [--deep cpu_deep] [--wide cpu_wide] [--small cpu_t6] [--steps N] [--set key=value ...]
-        [--runs-dir runs/depth_width] [--out docs/reproduction] [--bootstrap 1000]
+    python scripts/reproduce_depth_width.py [--phase all|train|report] [--jobs 2]
+        [--seeds 0 1 2] [--out docs/reproduction/depth_width] [--runs-dir runs/depth_width]
+        [--bootstrap 1000] [--quick]
 
-Trains three models (configs of ``apps/nmt/configs/``: ``deep``, a deep-narrow T(24, H, A),
-``wide``, a shallow-wide T(12, 2H, 2A) with equal parameters, and ``small``, T(6, H, A)) with
-``apps.nmt.train`` under
-torchrun on 2 pipeline stages, for the same number of steps over the same batch stream (same
-seed, same ``max_tokens``: the same tokens, in the same order) with the same optimiser. Then,
-for every model, beam-search translations of the whole test split and of dev + test pooled
-("held-out": dev is never used to choose anything here), and the cross entropy of every
-reference. Per language: BLEU and chrF (sacrebleu) with 95% bootstrap intervals, copy-the-source
-scores, held-out loss. Per resource bucket (training pairs: high >= 10k, low < 1k): the mean
-over its languages, and the paired-bootstrap difference between models (deep - wide and deep -
-small) with its 95% interval. Writes ``<out>/depth_width.json`` and ``<out>/depth_width.png``
-(per-language BLEU difference sorted by training-set size, as in the paper's figure).
+THE DESIGN, fixed before any run (changing it means a new experiment, not a re-reading):
+
+Data: ``.cache/gettext_m2en_dw``, the full Debian package list (``packages: full``) restricted
+to 16 Latin-script languages with a 2,000-piece shared SentencePiece vocabulary (see
+``apps/nmt/configs/cpu_dw_deep.yaml`` for the list and each language's training pairs). High
+bucket (>= 20k training pairs): fr it es pt nl de cs pl; low bucket (< 2k): each a relative of
+a high language: co (Corsican: it, fr), fur (Friulian: it), an (Aragonese: es), ast
+(Asturian: es), wa (Walloon: fr), li (Limburgish: nl, de), fy (Frisian: nl), hsb (Upper
+Sorbian: cs, pl). Temperature sampling T=5.
+
+Models (``cpu_dw_deep.yaml``, ``cpu_dw_wide.yaml``): deep T(12, 256, 2) and wide T(6, 512, 4)
+at d=64, heads of 32 channels (the paper's ratio: half the depth, twice the feed-forward width
+and heads), parameters equal within 1% (checked before training; the script refuses
+otherwise). **Depth scaling of the init is off for both** (``scaled_init: false``): the same
+init std everywhere, so the comparison is of depth, not of an init that depends on depth.
+Pre-norm, logits clipped at 20, dropout 0.1, label smoothing 0.1, Adam 3e-3, warm-up 400 then
+inverse square root, gradient clip 1.0, 1,024 padded tokens per step; one process per run, two
+runs at a time.
+
+Budget: a fixed token budget (``max_train_tokens`` in the configs: 16M source + target tokens,
+about 9,800 steps) for every run; seeds 0, 1, 2 for each architecture. A seed fixes the data order and the init:
+deep and wide of one seed train on identical batches in identical order. A checkpoint every
+``ckpt_every`` (1,250) steps, 8 per run, the same steps for both architectures.
+
+Scoring (after each run, on its checkpoints):
+- per-language dev loss (nats per target token, no label smoothing) at every checkpoint: the
+  curves at matched tokens;
+- the best checkpoint: the lowest macro-mean dev loss over the languages (dev chooses; test
+  scores);
+- on the whole test split, from the best checkpoint: per sentence, BLEU and chrF sufficient
+  statistics (sacrebleu; beam 4, alpha 0.6) and the summed cross entropy; copy-the-source
+  statistics as the floor;
+- epochs each language (and bucket: the mean over its languages) saw: pairs drawn / training
+  pairs, by replaying the run's batch stream.
+
+The statistic: D = (deep - wide)_low - (deep - wide)_high, a bucket's value the mean over its
+languages of the per-language corpus score, averaged over seeds. In test loss (negative D:
+depth helps the low bucket more) and in BLEU and chrF (positive D: the same). 95% intervals by
+a paired bootstrap: each of ``--bootstrap`` replicates resamples the seeds (the same seeds for
+both architectures) and, within each language, the test sentences (the same sentences for every
+model). BLEU and chrF D are interpreted only if every run's high-bucket test BLEU is above
+copy-the-source; otherwise they are reported and marked ``below_copy``.
+
+Each run writes ``<out>/<arch>_s<seed>.json`` (commit, torch version, UTC time, load average,
+seed, parameters, tokens, dev curves, best step, epochs, per-sentence test statistics); a run
+whose JSON exists is skipped, so the sweep continues where it stopped. The report (after every
+phase, from whatever runs exist) writes ``<out>/_summary.json`` and ``<out>/_dev_loss.png``.
+
+``--quick`` (the test suite): the tiny config as both architectures (deep 2 layers, wide 1 layer
+twice as wide), 2 seeds, 6 steps, checkpoints every 3, greedy decoding of a few test
+sentences, in this process; seconds per run.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -34,23 +77,41 @@ import torch
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apps.nmt.config import NMTConfig, load_nmt_config  # noqa: E402
-from apps.nmt.data import language_counts, load_tokenizer, resource_buckets  # noqa: E402
-from apps.nmt.evaluate import (  # noqa: E402
-    Sentence,
-    load_eval_sentences,
-    load_model,
-    resolve_checkpoint,
-    train_languages,
-    translate,
+from apps.nmt.config import NMTConfig, build_model, load_nmt_config  # noqa: E402
+from apps.nmt.data import (  # noqa: E402
+    TrainBatches,
+    language_counts,
+    load_tokenizer,
+    resource_buckets,
 )
-from scripts.nmt_runs import Run, read_log, train  # noqa: E402
-from scripts.reproduce_stability import parse_settings  # noqa: E402
+from apps.nmt.evaluate import Sentence, load_eval_sentences, load_model, translate  # noqa: E402
+from apps.nmt.model import count_parameters  # noqa: E402
+from scripts.nmt_runs import (  # noqa: E402
+    drop_checkpoints,
+    parse_settings,
+    provenance,
+    read_results,
+    run_pending,
+    train,
+    train_in_process,
+    write_result,
+)
 
-BUCKETS = ("high", "medium", "low")
-# (name, minuend, subtrahend): the paper's two comparisons
-ROLES = ("deep", "wide", "small")
-COMPARISONS = (("deep_minus_wide", "deep", "wide"), ("deep_minus_small", "deep", "small"))
+ARCHS = {"deep": "cpu_dw_deep", "wide": "cpu_dw_wide"}
+SEEDS = (0, 1, 2)
+PARAMETER_TOLERANCE = 0.01  # deep and wide within 1% of each other
+METRICS = ("loss", "bleu", "chrf")
+QUICK: dict[str, dict[str, Any]] = {
+    "deep": {"config": "tiny"},
+    "wide": {"config": "tiny", "num_layers": 1, "ffn_dim": 128, "num_heads": 4},
+}
+QUICK_COMMON: dict[str, Any] = {
+    "max_steps": 6, "max_train_tokens": 0, "ckpt_every": 3, "eval_every": 0, "num_stages": 1,
+    "chunks": 1, "beam_size": 1, "max_decode_len": 8, "eval_max_sentences": 2,
+    "hold_memory": False, "log_every": 3,
+}
+QUICK_SEEDS = (0, 1)
+QUICK_TEST_SENTENCES = 6  # per language
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,12 +129,27 @@ def sentence_stats(hypotheses: Sequence[str], references: Sequence[str]) -> dict
     }
 
 
+_SCORERS: dict[str, Any] = {}
+
+
 def corpus_score(metric: str, stats: np.ndarray) -> float:
-    """sacrebleu's corpus score from summed sentence statistics."""
+    """sacrebleu's corpus score from summed sentence statistics ([n, k] summed over n)."""
     from sacrebleu.metrics import BLEU, CHRF
 
-    scorer = BLEU() if metric == "bleu" else CHRF()
-    return float(scorer._compute_score_from_stats(list(stats.sum(0))).score)
+    if metric not in _SCORERS:
+        _SCORERS[metric] = BLEU() if metric == "bleu" else CHRF()
+    return float(_SCORERS[metric]._compute_score_from_stats(list(stats.sum(0))).score)
+
+
+def signatures() -> dict[str, str]:
+    """sacrebleu's signatures of the BLEU and chrF used here."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    result = {}
+    for name, metric in (("bleu", BLEU()), ("chrf", CHRF())):
+        metric.corpus_score(["a"], [["a"]])
+        result[name] = str(metric.get_signature())
+    return result
 
 
 @torch.no_grad()
@@ -107,281 +183,322 @@ def sentence_losses(model: torch.nn.Module, config: NMTConfig, sentences: Sequen
 
 
 # ---------------------------------------------------------------------------------------------
-# Evaluation of one trained model
+# One run: train, then score its checkpoints
 
 
-def evaluate_run(out_dir: Path, split_sets: Mapping[str, Sequence[str]]) -> dict[str, Any]:
-    """Translations, sentence statistics and losses of one run's final checkpoint for every
-    named set of splits (e.g. {"test": ["test"], "held_out": ["dev", "test"]})."""
-    checkpoint = resolve_checkpoint(out_dir)
-    config = load_nmt_config([f"--config={checkpoint / 'config.yaml'}"])
+def arch_settings(arch: str, seed: int, *, quick: bool, extra: Mapping[str, Any]) -> dict[str, Any]:
+    base = {**QUICK[arch], **QUICK_COMMON} if quick else {"config": ARCHS[arch]}
+    return {**base, **extra, "seed": seed, "wandb_mode": "disabled"}
+
+
+def load_settings(settings: Mapping[str, Any]) -> NMTConfig:
+    return load_nmt_config([f"--{k}={v}" for k, v in settings.items() if k != "wandb_mode"])
+
+
+def check_equal_parameters(configs: Mapping[str, NMTConfig], tolerance: float) -> dict[str, int]:
+    """Parameters of each architecture (on meta); an error if they differ by more than
+    ``tolerance`` (relative to the larger)."""
+    counts = {arch: count_parameters(build_model(c, device="meta")) for arch, c in configs.items()}
+    low, high = min(counts.values()), max(counts.values())
+    if high - low > tolerance * high:
+        raise SystemExit(
+            f"error: parameters {counts} differ by {100 * (high - low) / high:.2f}% > "
+            f"{100 * tolerance:g}%; size ffn_dim / num_heads so that the models match")
+    return counts
+
+
+def pairs_seen(config: NMTConfig, steps: int) -> dict[str, int]:
+    """Training pairs per language in the first ``steps`` batches of the run's stream (the
+    stream is a function of the seed and the data settings, so this replays it exactly)."""
+    batches = TrainBatches(config.data_dir, max_tokens=config.max_tokens,
+                           temperature=config.sampling_temperature, seed=config.seed,
+                           languages=config.languages or None, max_len=config.max_len)
+    seen: collections.Counter[str] = collections.Counter()
+    for _ in range(steps):
+        seen.update(next(batches).langs)
+    return dict(seen)
+
+
+def score_checkpoints(out_dir: Path, config: NMTConfig, *, test_per_lang: int | None,
+                      beam_size: int) -> dict[str, Any]:
+    """Dev loss per language at every checkpoint; test statistics of the best one."""
+    from apps.nmt.evaluate import train_languages
+
     tokenizer = load_tokenizer(config.data_dir)
-    model = load_model(config, checkpoint, torch.device("cpu"))
     languages = train_languages(config)
-    per_split: dict[str, dict[str, Any]] = {}
-    for split in sorted({s for splits in split_sets.values() for s in splits}):
-        sentences, _ = load_eval_sentences(config.data_dir, split, languages, max_per_lang=None,
-                                           pad_id=tokenizer.pad_id, strict=False)
-        hypotheses = translate(model, sentences, tokenizer, beam_size=config.beam_size,
-                               alpha=config.length_penalty, max_decode_len=config.max_decode_len,
-                               device=torch.device("cpu"))
-        assert hypotheses is not None
-        losses, tokens = sentence_losses(model, config, sentences, tokenizer)
-        per_split[split] = {"sentences": sentences, "hypotheses": hypotheses,
-                            "losses": losses, "tokens": tokens}
-    result: dict[str, Any] = {}
-    for name, splits in split_sets.items():
-        sentences = [s for split in splits for s in per_split[split]["sentences"]]
-        hypotheses = [h for split in splits for h in per_split[split]["hypotheses"]]
-        losses = np.concatenate([per_split[split]["losses"] for split in splits])
-        tokens = np.concatenate([per_split[split]["tokens"] for split in splits])
-        by_lang: dict[str, dict[str, Any]] = {}
+    dev, _ = load_eval_sentences(config.data_dir, "dev", languages, max_per_lang=None,
+                                 pad_id=tokenizer.pad_id, strict=False)
+    records = {r["step"]: r for r in map(json.loads, (out_dir / "log.jsonl").read_text()
+                                         .splitlines())}
+    curve = []
+    for step_dir in sorted(out_dir.glob("step-*")):
+        step = int(step_dir.name.split("-")[1])
+        # the config the run saved (the trainer may have sized vocab_size to the tokenizer)
+        config = load_nmt_config([f"--config={step_dir / 'config.yaml'}"])
+        model = load_model(config, step_dir, torch.device("cpu"))
+        losses, tokens = sentence_losses(model, config, dev, tokenizer)
+        per_lang = {}
         for lang in languages:
-            rows = [i for i, s in enumerate(sentences) if s.lang == lang]
-            if not rows:
-                continue
-            refs = [sentences[i].reference for i in rows]
-            by_lang[lang] = {
-                "stats": sentence_stats([hypotheses[i] for i in rows], refs),
-                "copy_stats": sentence_stats([sentences[i].source for i in rows], refs),
-                "loss": losses[rows],
-                "tokens": tokens[rows],
-                "example": {"source": sentences[rows[0]].source, "reference": refs[0],
-                            "hypothesis": hypotheses[rows[0]]},
-            }
-        result[name] = by_lang
+            rows = [i for i, s in enumerate(dev) if s.lang == lang]
+            if rows:
+                per_lang[lang] = float(losses[rows].sum() / tokens[rows].sum())
+        curve.append({"step": step, "tokens": records.get(step, {}).get("tokens"),
+                      "dev_loss": per_lang,
+                      "macro_dev_loss": float(np.mean(list(per_lang.values())))})
+    if not curve:
+        raise RuntimeError(f"no checkpoints in {out_dir}; the run must write step-* folders "
+                           "(ckpt_every > 0)")
+    best = min(curve, key=lambda c: (c["macro_dev_loss"], c["step"]))
+    model = load_model(config, out_dir / f"step-{best['step']:07d}", torch.device("cpu"))
+    test, _ = load_eval_sentences(config.data_dir, "test", languages, max_per_lang=test_per_lang,
+                                  pad_id=tokenizer.pad_id, strict=False)
+    hypotheses = translate(model, test, tokenizer, beam_size=beam_size,
+                           alpha=config.length_penalty, max_decode_len=config.max_decode_len,
+                           device=torch.device("cpu"))
+    assert hypotheses is not None
+    losses, tokens = sentence_losses(model, config, test, tokenizer)
+    per_lang_test: dict[str, Any] = {}
+    for lang in languages:
+        rows = [i for i, s in enumerate(test) if s.lang == lang]
+        if not rows:
+            continue
+        refs = [test[i].reference for i in rows]
+        stats = sentence_stats([hypotheses[i] for i in rows], refs)
+        copy = sentence_stats([test[i].source for i in rows], refs)
+        per_lang_test[lang] = {
+            "bleu_stats": stats["bleu"].tolist(), "chrf_stats": stats["chrf"].tolist(),
+            "copy_bleu_stats": copy["bleu"].tolist(), "copy_chrf_stats": copy["chrf"].tolist(),
+            "loss": losses[rows].round(5).tolist(), "tokens": tokens[rows].tolist(),
+            "example": {"source": test[rows[0]].source, "reference": refs[0],
+                        "hypothesis": hypotheses[rows[0]]},
+        }
+    return {"dev_curve": curve, "best_step": best["step"], "test": per_lang_test}
+
+
+def run_one(name: str, arch: str, settings: Mapping[str, Any], *, out: Path, runs_dir: Path,
+            quick: bool, timeout_s: float, keep_runs: bool) -> dict[str, Any]:
+    config = load_settings(settings)
+    started = provenance(config.seed)
+    run_dir = runs_dir / name
+    if quick:
+        run = train_in_process(name, run_dir, settings)
+    else:
+        run = train(name, run_dir, settings, nproc=config.num_stages, timeout_s=timeout_s)
+    if run.returncode != 0 or run.summary is None:
+        raise SystemExit(f"error: run {name} failed (exit {run.returncode}); see {run_dir}.out "
+                         "(no result written: the next call of the script retries it)")
+    scores = score_checkpoints(run_dir, config, beam_size=config.beam_size,
+                               test_per_lang=QUICK_TEST_SENTENCES if quick else None)
+    steps = run.summary["steps"]
+    seen = pairs_seen(config, steps)
+    train_counts = language_counts(config.data_dir, "train")
+    result = {
+        "name": name, "experiment": "depth_width", "arch": arch, **started,
+        "settings": {k: v for k, v in settings.items() if k != "wandb_mode"},
+        "T": [config.num_layers, config.ffn_dim, config.num_heads], "d_model": config.d_model,
+        "parameters": count_parameters(build_model(config, device="meta")),
+        "scaled_init": config.scaled_init,
+        "steps": steps, "tokens": run.summary["tokens"], "stopped_by": run.summary["stopped_by"],
+        "train_minutes": run.summary["train_minutes"],
+        "tokens_per_second": run.summary["tokens_per_second"],
+        "seconds_per_step": round(60 * run.summary["train_minutes"] / max(steps, 1), 4),
+        "pairs_seen": seen,
+        "epochs": {lang: seen.get(lang, 0) / train_counts[lang] for lang in seen
+                   if train_counts.get(lang)},
+        **scores,
+        "finished_utc": provenance(config.seed)["utc"],
+    }
+    write_result(out / f"{name}.json", result)
+    if not keep_runs:
+        drop_checkpoints(run_dir)
     return result
 
 
 # ---------------------------------------------------------------------------------------------
-# Scores with bootstrap intervals
+# The statistic D with a paired bootstrap over seeds and sentences
 
 
-def signatures() -> dict[str, str]:
-    """sacrebleu's signatures of the BLEU and chrF used here (known once a metric has run)."""
-    from sacrebleu.metrics import BLEU, CHRF
-
-    result = {}
-    for name, metric in (("bleu", BLEU()), ("chrf", CHRF())):
-        metric.corpus_score(["a"], [["a"]])
-        result[name] = str(metric.get_signature())
-    return result
+def bucket_d(values: Mapping[str, Mapping[str, float]], buckets: Mapping[str, str]) -> float:
+    """D = (deep - wide)_low - (deep - wide)_high from per-language values
+    ``values[arch][lang]``; a bucket's value is the mean over its languages."""
+    def gap(bucket: str) -> float:
+        langs = [lang for lang, b in buckets.items() if b == bucket]
+        return float(np.mean([values["deep"][x] - values["wide"][x] for x in langs]))
+    return gap("low") - gap("high")
 
 
-def interval(samples: np.ndarray) -> list[float]:
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return [round(float(low), 2), round(float(high), 2)]
+def language_score(metric: str, test: Mapping[str, Any], rows: np.ndarray | None = None,
+                   copy: bool = False) -> float:
+    """One run's score of one language (rows: a resample of its sentences, or all)."""
+    if metric == "loss":
+        loss, tokens = np.asarray(test["loss"]), np.asarray(test["tokens"])
+        if rows is not None:
+            loss, tokens = loss[rows], tokens[rows]
+        return float(loss.sum() / tokens.sum())
+    stats = np.asarray(test[f"{'copy_' if copy else ''}{metric}_stats"])
+    return corpus_score(metric, stats if rows is None else stats[rows])
 
 
-def score_set(evals: Mapping[str, Mapping[str, Any]], buckets: Mapping[str, str],
-              train_counts: Mapping[str, int], n_boot: int, seed: int = 12345) -> dict[str, Any]:
-    """Per-language and per-bucket scores with 95% intervals for every model, and the paired
-    differences of ``COMPARISONS``; every model is scored on the same resamples."""
-    models = list(evals)
-    languages = sorted(set.intersection(*(set(e) for e in evals.values())),
-                       key=lambda lang: (-train_counts.get(lang, 0), lang))
+def d_statistic(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], buckets: Mapping[str, str],
+                metric: str, *, n_boot: int, seed: int = 12345) -> dict[str, Any]:
+    """Point estimate and 95% paired-bootstrap interval of D for ``metric``.
+
+    ``runs[arch][seed]`` is a run's ``test`` dict (per language); only seeds that both
+    architectures have are used. Each replicate draws seeds with replacement (shared by the
+    architectures) and, per language, sentences with replacement (shared by every run)."""
+    seeds = sorted(set(runs["deep"]) & set(runs["wide"]))
+    langs = [lang for lang in buckets if all(lang in runs[a][s] for a in runs for s in seeds)]
+    buckets = {lang: buckets[lang] for lang in langs}
+    if not seeds or not {"low", "high"} <= set(buckets.values()):
+        return {"seeds": seeds, "point": None, "ci95": None,
+                "note": "needs both architectures for a seed and languages in low and high"}
+
+    def values_for(seed_list: Sequence[int], rows: Mapping[str, np.ndarray] | None) -> float:
+        values = {arch: {lang: float(np.mean([
+            language_score(metric, runs[arch][s][lang], None if rows is None else rows[lang])
+            for s in seed_list])) for lang in langs} for arch in ("deep", "wide")}
+        return bucket_d(values, buckets)
+
+    point = values_for(seeds, None)
     rng = np.random.default_rng(seed)
-    # samples[metric][model][lang] -> [n_boot] scores
-    samples: dict[str, dict[str, dict[str, np.ndarray]]] = {
-        m: {model: {} for model in [*models, "copy"]} for m in ("bleu", "chrf", "loss")
+    sizes = {lang: len(runs["deep"][seeds[0]][lang]["loss"]) for lang in langs}
+    samples = []
+    for _ in range(n_boot):
+        drawn = [seeds[i] for i in rng.integers(0, len(seeds), size=len(seeds))]
+        rows = {lang: rng.integers(0, n, size=n) for lang, n in sizes.items()}
+        samples.append(values_for(drawn, rows))
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return {"seeds": seeds, "languages": buckets, "point": point,
+            "ci95": [float(low), float(high)], "n_boot": n_boot}
+
+
+def above_copy(results: Sequence[Mapping[str, Any]], buckets: Mapping[str, str]) -> bool:
+    """Whether every run's high-bucket test BLEU (mean over its languages) is above
+    copy-the-source."""
+    high = [lang for lang, b in buckets.items() if b == "high"]
+    for result in results:
+        test = result["test"]
+        model = np.mean([language_score("bleu", test[x]) for x in high if x in test])
+        copy = np.mean([language_score("bleu", test[x], copy=True) for x in high if x in test])
+        if not model > copy:
+            return False
+    return True
+
+
+def summarise(results: Sequence[Mapping[str, Any]], n_boot: int) -> dict[str, Any]:
+    if not results:
+        return {"runs": 0}
+    config = load_nmt_config([f"--{k}={v}" for k, v in results[0]["settings"].items()])
+    train_counts = language_counts(config.data_dir, "train")
+    languages = sorted({lang for r in results for lang in r["test"]})
+    buckets = resource_buckets({x: train_counts.get(x, 0) for x in languages},
+                               config.bucket_thresholds)
+    runs: dict[str, dict[int, Any]] = {"deep": {}, "wide": {}}
+    for r in results:
+        runs[r["arch"]][r["seed"]] = r["test"]
+    summary: dict[str, Any] = {
+        "runs": len(results),
+        "buckets": buckets,
+        "train_pairs": {x: train_counts.get(x, 0) for x in languages},
+        "parameters": {r["arch"]: r["parameters"] for r in results},
+        "tokens": sorted({r["tokens"] for r in results}),
+        "epochs_per_bucket": {
+            f"{r['arch']}_s{r['seed']}": {
+                b: float(np.mean([r["epochs"].get(x, 0.0) for x in languages if buckets[x] == b]))
+                for b in sorted(set(buckets.values()))}
+            for r in results},
+        "best_step": {f"{r['arch']}_s{r['seed']}": r["best_step"] for r in results},
+        "above_copy": above_copy(results, buckets),
+        "D": {metric: d_statistic(runs, buckets, metric, n_boot=n_boot) for metric in METRICS},
     }
-    point: dict[str, dict[str, dict[str, float]]] = {
-        m: {model: {} for model in [*models, "copy"]} for m in ("bleu", "chrf", "loss")
-    }
-    for lang in languages:
-        n = len(evals[models[0]][lang]["loss"])
-        index = rng.integers(0, n, size=(n_boot, n))
-        for model in [*models, "copy"]:
-            source = evals[models[0]][lang] if model == "copy" else evals[model][lang]
-            stats = source["copy_stats"] if model == "copy" else source["stats"]
-            for metric in ("bleu", "chrf"):
-                point[metric][model][lang] = corpus_score(metric, stats[metric])
-                samples[metric][model][lang] = np.array(
-                    [corpus_score(metric, stats[metric][idx]) for idx in index])
-            if model != "copy":
-                loss, tokens = source["loss"], source["tokens"]
-                point["loss"][model][lang] = float(loss.sum() / tokens.sum())
-                samples["loss"][model][lang] = loss[index].sum(1) / tokens[index].sum(1)
-
-    def summary(metric: str, model: str, langs: Sequence[str]) -> dict[str, Any]:
-        value = float(np.mean([point[metric][model][lang] for lang in langs]))
-        boot = np.mean([samples[metric][model][lang] for lang in langs], axis=0)
-        return {"mean": round(value, 3 if metric == "loss" else 2), "ci95": interval(boot)}
-
-    per_language = {}
-    for lang in languages:
-        row: dict[str, Any] = {
-            "bucket": buckets[lang], "train_pairs": int(train_counts.get(lang, 0)),
-            "sentences": len(evals[models[0]][lang]["loss"]),
-        }
-        for metric in ("bleu", "chrf", "loss"):
-            for model in [*models, "copy"]:
-                if model == "copy" and metric == "loss":
-                    continue
-                row[f"{model}_{metric}"] = summary(metric, model, [lang])
-        for name, a, b in COMPARISONS:
-            if a in models and b in models:
-                for metric in ("bleu", "loss"):
-                    diff = samples[metric][a][lang] - samples[metric][b][lang]
-                    value = point[metric][a][lang] - point[metric][b][lang]
-                    row[f"{name}_{metric}"] = {"mean": round(value, 3), "ci95": interval(diff)}
-        per_language[lang] = row
-    per_bucket = {}
-    for bucket in BUCKETS:
-        langs = [lang for lang in languages if buckets[lang] == bucket]
-        if not langs:
-            continue
-        row = {"languages": langs, "sentences": sum(per_language[x]["sentences"] for x in langs)}
-        for metric in ("bleu", "chrf", "loss"):
-            for model in [*models, "copy"]:
-                if model == "copy" and metric == "loss":
-                    continue
-                row[f"{model}_{metric}"] = summary(metric, model, langs)
-        for name, a, b in COMPARISONS:
-            if a in models and b in models:
-                for metric in ("bleu", "chrf", "loss"):
-                    diff = (np.mean([samples[metric][a][x] for x in langs], axis=0)
-                            - np.mean([samples[metric][b][x] for x in langs], axis=0))
-                    value = (np.mean([point[metric][a][x] for x in langs])
-                             - np.mean([point[metric][b][x] for x in langs]))
-                    row[f"{name}_{metric}"] = {"mean": round(float(value), 3),
-                                               "ci95": interval(diff)}
-        per_bucket[bucket] = row
-    return {"languages": per_language, "buckets": per_bucket}
+    if not summary["above_copy"]:
+        for metric in ("bleu", "chrf"):
+            summary["D"][metric]["below_copy"] = True
+    return summary
 
 
-def plot(scores: Mapping[str, Any], path: Path, title: str) -> None:
+def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    langs = list(scores["languages"])
-    rows = [scores["languages"][x] for x in langs]
-    comparisons = [(name, f"{a} - {b}") for name, a, b in COMPARISONS if f"{name}_bleu" in rows[0]]
-    fig, axes = plt.subplots(len(comparisons), 2, figsize=(14, 4 * len(comparisons)), squeeze=False)
-    x = np.arange(len(langs))
-    colors = {"high": "tab:blue", "medium": "tab:orange", "low": "tab:red"}
-    for row_axes, (name, label) in zip(axes, comparisons, strict=True):
-        for ax, metric, unit in ((row_axes[0], "bleu", "BLEU"), (row_axes[1], "loss", "nats/token")):
-            means = [r[f"{name}_{metric}"]["mean"] for r in rows]
-            low = [r[f"{name}_{metric}"]["mean"] - r[f"{name}_{metric}"]["ci95"][0] for r in rows]
-            high = [r[f"{name}_{metric}"]["ci95"][1] - r[f"{name}_{metric}"]["mean"] for r in rows]
-            ax.bar(x, means, color=[colors[r["bucket"]] for r in rows])
-            ax.errorbar(x, means, yerr=[low, high], fmt="none", ecolor="black", capsize=2)
-            ax.axhline(0, color="gray", linewidth=0.8)
-            ax.set_xticks(x)
-            ax.set_xticklabels([f"{lang}\n{r['train_pairs']}" for lang, r in zip(langs, rows,
-                                                                                  strict=True)],
-                               fontsize=7)
-            ax.set_ylabel(f"{label}: {'BLEU' if metric == 'bleu' else 'held-out loss'} ({unit})")
-            ax.grid(axis="y", alpha=0.3)
-        row_axes[0].set_title(f"{label}: BLEU difference per language (95% bootstrap), "
-                              "sorted by training pairs", fontsize=9)
-        row_axes[1].set_title(f"{label}: loss difference (negative = first model better)",
-                              fontsize=9)
-    fig.suptitle(title, fontsize=10)
+    buckets = summary["buckets"]
+    names = sorted(set(buckets.values()))
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, bucket in zip(axes[0], names, strict=True):
+        for r in results:
+            curve = r["dev_curve"]
+            xs = [c["tokens"] or c["step"] for c in curve]
+            ys = [np.mean([c["dev_loss"][x] for x in c["dev_loss"] if buckets.get(x) == bucket])
+                  for c in curve]
+            ax.plot(xs, ys, "-o", markersize=3, color="C0" if r["arch"] == "deep" else "C1",
+                    label=f"{r['arch']} s{r['seed']}", linewidth=1)
+        ax.set_title(f"{bucket} bucket: mean dev loss", fontsize=10)
+        ax.set_xlabel("training tokens (source + target)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("dev loss (nats/token)")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--deep", default="cpu_deep", help="config of the deep-narrow model")
-    parser.add_argument("--wide", default="cpu_wide", help="config of the shallow-wide model")
-    parser.add_argument("--small", default="cpu_t6", help="config of the smaller model")
-    parser.add_argument("--steps", type=int, default=None, help="override every config's max_steps")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="more apps.nmt.train settings for every run")
+    parser.add_argument("--phase", default="all", choices=["all", "train", "report"])
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None)
+    parser.add_argument("--out", type=Path, default=Path("docs/reproduction/depth_width"))
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/depth_width"))
-    parser.add_argument("--out", type=Path, default=Path("docs/reproduction"))
-    parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads for evaluation")
-    parser.add_argument("--skip-training", action="store_true",
-                        help="evaluate the runs already in --runs-dir")
-    parser.add_argument("--reuse", action="store_true",
-                        help="train only the roles without a finished run (summary.json) in "
-                             "--runs-dir; evaluate all")
-    parser.add_argument("--timeout-minutes", type=float, default=90.0, help="per run")
+    parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="apps.nmt.train settings for every run (recorded in each result)")
+    parser.add_argument("--quick", action="store_true", help="tiny models, 2 seeds (tests)")
+    parser.add_argument("--keep-runs", action="store_true", help="keep checkpoints of runs")
+    parser.add_argument("--timeout-minutes", type=float, default=180.0, help="per run")
     args = parser.parse_args(argv)
     started = time.monotonic()
     extra = parse_settings(args.set)
-    runs: dict[str, dict[str, Any]] = {}
-    configs = {"deep": args.deep, "wide": args.wide, "small": args.small}
-    for name in ROLES:
-        settings: dict[str, Any] = {"config": configs[name], "wandb_mode": "disabled",
-                                    "eval_max_sentences": 20, **extra}
-        if args.steps is not None:
-            settings["max_steps"] = args.steps
-        out_dir = args.runs_dir / name
-        if args.skip_training or (args.reuse and (out_dir / "summary.json").exists()):
-            run = Run(name, out_dir, settings, 0, 0.0)
-            run.summary = json.loads((out_dir / "summary.json").read_text())
-            run.records = read_log(out_dir)
-        else:
-            run = train(name, out_dir, settings, timeout_s=60 * args.timeout_minutes)
-            if run.returncode != 0:
-                raise SystemExit(f"error: training {name} failed (exit {run.returncode}); see "
-                                 f"{out_dir}.out")
-        assert run.summary is not None
-        config = load_nmt_config([f"--config={out_dir / 'config.yaml'}"])
-        from apps.nmt.config import build_model
-        from apps.nmt.model import count_parameters
+    seeds = args.seeds if args.seeds is not None else list(QUICK_SEEDS if args.quick else SEEDS)
+    specs = {f"{arch}_s{seed}": (arch, arch_settings(arch, seed, quick=args.quick, extra=extra))
+             for seed in seeds for arch in ARCHS}
+    configs = {arch: load_settings(arch_settings(arch, seeds[0], quick=args.quick, extra=extra))
+               for arch in ARCHS}
+    # the design's equal size is checked before anything trains (quick: recorded only)
+    parameters = check_equal_parameters(configs, 1.0 if args.quick else PARAMETER_TOLERANCE)
+    ran: list[str] = []
+    if args.phase in ("all", "train"):
+        # the corpus once, here, before runs start in parallel (each would build it otherwise)
+        from apps.nmt.train import prepare_corpus
 
-        runs[name] = {
-            "config": configs[name],
-            "T": [config.num_layers, config.ffn_dim, config.num_heads],
-            "d_model": config.d_model, "head_dim": config.head_dim,
-            "parameters": count_parameters(build_model(config, device="meta")),
-            "steps": run.summary["steps"], "tokens": run.summary["tokens"],
-            "stopped_by": run.summary["stopped_by"],
-            "train_minutes": run.summary["train_minutes"],
-            "tokens_per_second": run.summary["tokens_per_second"],
-            "final_train_loss": (run.records[-1]["loss"] if run.records else None),
-            "dev_loss": run.summary["dev_loss"],
-        }
-    torch.set_num_threads(args.threads)
-    split_sets = {"test": ["test"], "held_out": ["dev", "test"]}
-    evals = {name: evaluate_run(args.runs_dir / name, split_sets) for name in ROLES}
-    config = load_nmt_config([f"--config={args.runs_dir / 'deep' / 'config.yaml'}"])
-    train_counts = language_counts(config.data_dir, "train")
-    trained = train_languages(config)
-    buckets = resource_buckets({x: train_counts.get(x, 0) for x in trained},
-                               config.bucket_thresholds)
-    scores = {name: score_set({m: evals[m][name] for m in ROLES}, buckets, train_counts,
-                              args.bootstrap) for name in split_sets}
-    examples = {m: {lang: e["example"] for lang, e in evals[m]["test"].items()}
-                for m in ROLES}
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "command": "python scripts/reproduce_depth_width.py "
-                   + " ".join(sys.argv[1:] if argv is None else argv),
-        "runs": runs,
-        "languages": {x: {"train_pairs": int(train_counts.get(x, 0)), "bucket": buckets[x]}
-                      for x in trained},
-        "sampling_temperature": config.sampling_temperature,
-        "bucket_thresholds": config.bucket_thresholds,
-        "bootstrap_resamples": args.bootstrap,
-        "signatures": signatures(),
-        "test": scores["test"],
-        "held_out": scores["held_out"],
-        "examples": {m: dict(list(v.items())[:3]) for m, v in examples.items()},
-        "wall_minutes": round((time.monotonic() - started) / 60, 1),
-    }
-    (args.out / "depth_width.json").write_text(json.dumps(result, indent=1, ensure_ascii=False)
-                                               + "\n")
-    deep = runs["deep"]
-    plot(scores["held_out"], args.out / "depth_width.png",
-         f"held-out (dev + test) per language, {deep['tokens'] / 1e6:.2f}M training tokens each; "
-         + ", ".join(f"{m} T{tuple(r['T'])} {r['parameters'] / 1e6:.2f}M" for m, r in runs.items()))
-    for split, score in scores.items():
-        for bucket, row in score["buckets"].items():
-            line = "  ".join(f"{m} {row[f'{m}_bleu']['mean']:.2f}" for m in [*ROLES, "copy"])
-            diffs = "  ".join(f"{name} {row[f'{name}_bleu']['mean']:+.2f} {row[f'{name}_bleu']['ci95']}"
-                              for name, a, b in COMPARISONS if f"{name}_bleu" in row)
-            print(f"{split:<9}{bucket:<7} BLEU {line}  {diffs}")
-    return result
+        prepare_corpus(configs["deep"])
+        def work(name: str) -> None:
+            arch, settings = specs[name]
+            run_one(name, arch, settings, out=args.out, runs_dir=args.runs_dir,
+                    quick=args.quick, timeout_s=60 * args.timeout_minutes,
+                    keep_runs=args.keep_runs)
+
+        ran = run_pending(list(specs), args.out, work, jobs=1 if args.quick else args.jobs)
+    results = read_results(args.out)
+    summary = summarise(results, args.bootstrap)
+    summary.update({"design": {"archs": {a: specs[f"{a}_s{seeds[0]}"][1] for a in ARCHS},
+                               "seeds": seeds, "parameters": parameters,
+                               "parameter_tolerance": PARAMETER_TOLERANCE},
+                    "ran_now": ran, "signatures": signatures(),
+                    "wall_minutes": round((time.monotonic() - started) / 60, 2),
+                    **provenance(0)})
+    if results:
+        write_result(args.out / "_summary.json", summary)
+        plot(results, summary, args.out / "_dev_loss.png")
+        for metric, d in summary["D"].items():
+            print(f"D[{metric}] = {d['point']} 95% {d['ci95']} (seeds {d['seeds']})")
+    else:
+        print(f"no results in {args.out} yet: nothing to report", file=sys.stderr)
+    return summary
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from torch import nn
 
 from apps.common import check_pipeline_options
 from apps.config import ConfigError, load_config, parse_overrides
-from apps.nmt.model import transformer
+from apps.nmt.model import NORMS, transformer
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -39,6 +39,15 @@ class NMTConfig:
     scaled_init: bool = True  # paper fix (i): feed-forward init std times (2L)^-1/2
     clip_logits: bool = True  # paper fix (ii): clamp logits to [-logits_abs_max, logits_abs_max]
     logits_abs_max: float = 20.0  # the clamp bound (the paper gives none; Lingvo notes use 20)
+    # residual blocks: "pre" (x + f(LayerNorm(x))) or "post" (LayerNorm(x + f(x)), the
+    # original Transformer's; no final encoder/decoder LayerNorm)
+    norm: str = "pre"
+    qk_norm: bool = False  # LayerNorm over each head's queries and keys (a stability comparator)
+    z_loss: float = 0.0  # weight w of the z-loss, w * (log Z)^2 per target token; 0 = off
+    # log each attention's largest logit q.k/sqrt(head_dim) per step: one extra q.k product
+    # per attention in training, so off unless an experiment needs it (cpu_stability.yaml);
+    # log Z and the largest |logit| are logged either way
+    record_attention: bool = False
     share_embeddings: bool = True  # one embedding table for source and target tokens
     tie_output: bool = False  # output projection reuses the target table (needs num_stages=1)
     max_positions: int = 128  # longest source or target sequence the model accepts
@@ -169,6 +178,10 @@ class NMTConfig:
                 f"logits_abs_max={self.logits_abs_max} must be > 0; "
                 "to turn clipping off set clip_logits=false"
             )
+        if self.norm not in NORMS:
+            raise ConfigError(f"norm={self.norm!r} is not one of {list(NORMS)}")
+        if self.z_loss < 0:
+            raise ConfigError(f"z_loss={self.z_loss} must be >= 0 (0 turns the z-loss off)")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be positive")
         if self.sampling_temperature <= 0:
@@ -258,6 +271,9 @@ def model_kwargs(config: NMTConfig) -> dict[str, object]:
         logits_abs_max=config.logits_abs_max if config.clip_logits else None,
         max_positions=config.max_positions,
         pad_id=config.pad_id,
+        norm=config.norm,
+        qk_norm=config.qk_norm,
+        record_attention=config.record_attention,
     )
 
 

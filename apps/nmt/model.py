@@ -21,7 +21,7 @@ padding never changes the outputs at real positions.
 
 Choices, stated once:
 
-- Pre-norm residual blocks, ``x + dropout(sublayer(LayerNorm(x)))``: the variant that trains
+- Pre-norm residual blocks (the default; ``norm="post"`` below), ``x + dropout(sublayer(LayerNorm(x)))``: the variant that trains
   deep stacks without a learning-rate warmup cliff, which is what the 128-layer configs need.
   Because of pre-norm, the encoder output gets a final LayerNorm (applied by ``decoder_0`` so the
   encoder layers stay identical) and the decoder output gets one (applied by ``project``).
@@ -50,7 +50,16 @@ Choices, stated once:
   that is the largest absolute logit before clipping (also as ``max_abs_logit``), and with
   clipping on, the fraction of logits (at non-padding positions) beyond the bound
   (``clipped_fraction``). The record is a running maximum (and sum) over forwards (all
-  micro-batches of a step) until ``activation_stats`` reads and resets it.
+  micro-batches of a step) until ``activation_stats`` reads and resets it. For issue 21's
+  stability sweep, ``stability_stats`` reads (and resets) two more records: the largest
+  attention logit q.k / sqrt(head_dim) of every attention (``record_attention``, off by default; one extra
+  [B,A,Lq,Lk] product per attention in training, nothing in evaluation) and the sums of
+  log Z of the output softmax at non-padding positions.
+- ``norm="post"`` builds the original Transformer's post-norm blocks,
+  ``LayerNorm(x + dropout(sublayer(x)))``, with no final encoder or decoder LayerNorm (their
+  outputs are already normalised); ``qk_norm`` adds a LayerNorm over each head's channels of the
+  queries and keys; ``token_cross_entropy_sum(..., z_loss=w)`` adds ``w * (log Z)^2`` per
+  token. These are the comparators of issue 21, off by default.
 """
 
 from __future__ import annotations
@@ -116,18 +125,41 @@ class _RecordsActivation(nn.Module):
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with ``num_heads`` heads of ``head_dim`` channels, batch-first."""
 
+    # the largest attention logit q.k / sqrt(head_dim) of training forwards since last read
+    max_logit: Tensor | None
+
     def __init__(
-        self, d_model: int, *, num_heads: int, head_dim: int, attention_dropout: float
+        self,
+        d_model: int,
+        *,
+        num_heads: int,
+        head_dim: int,
+        attention_dropout: float,
+        qk_norm: bool = False,
+        record_logits: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.attention_dropout = attention_dropout
+        self.record_logits = record_logits
+        self.max_logit = None
         width = num_heads * head_dim
         self.query = nn.Linear(d_model, width)
         self.key = nn.Linear(d_model, width)
         self.value = nn.Linear(d_model, width)
         self.out = nn.Linear(width, d_model)
+        # qk-layernorm (Dehghani et al. 2023): LayerNorm over each head's channels of the
+        # queries and keys, so the logits cannot grow with the weights' norm
+        self.query_norm = nn.LayerNorm(head_dim) if qk_norm else None
+        self.key_norm = nn.LayerNorm(head_dim) if qk_norm else None
+
+    def reset_parameters(self) -> None:
+        for linear in (self.query, self.key, self.value, self.out):
+            _init_linear(linear)
+        for norm in (self.query_norm, self.key_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def _heads(self, x: Tensor) -> Tensor:
         batch, length, _ = x.shape
@@ -135,20 +167,56 @@ class MultiHeadAttention(nn.Module):
 
     def keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values [B,A,Lk,head_dim] of ``memory`` [B,Lk,D] (cacheable when decoding)."""
-        return self._heads(self.key(memory)), self._heads(self.value(memory))
+        keys = self._heads(self.key(memory))
+        if self.key_norm is not None:
+            keys = self.key_norm(keys)
+        return keys, self._heads(self.value(memory))
 
-    def attend(self, query: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
+    def attend(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        allowed: Tensor,
+        query_pad: Tensor | None = None,
+    ) -> Tensor:
         """``query`` [B,Lq,D] attends to ``keys``/``values`` [B,A,Lk,head_dim]; ``allowed``
-        [B,1,Lq|1,Lk] is True where a query may see a key."""
+        [B,1,Lq|1,Lk] is True where a query may see a key. ``query_pad`` [B,Lq] (True at
+        padding) only keeps padded queries out of the recorded largest logit."""
         dropout_p = self.attention_dropout if self.training else 0.0
+        queries = self._heads(self.query(query))
+        if self.query_norm is not None:
+            queries = self.query_norm(queries)
+        if self.training and self.record_logits:
+            self._record_logits(queries, keys, allowed, query_pad)
         context = F.scaled_dot_product_attention(
-            self._heads(self.query(query)), keys, values, attn_mask=allowed, dropout_p=dropout_p
+            queries, keys, values, attn_mask=allowed, dropout_p=dropout_p
         )
         batch, _, length, _ = context.shape
         return self.out(context.transpose(1, 2).reshape(batch, length, -1))
 
-    def forward(self, query: Tensor, memory: Tensor, allowed: Tensor) -> Tensor:
-        return self.attend(query, *self.keys_values(memory), allowed)
+    def _record_logits(
+        self, queries: Tensor, keys: Tensor, allowed: Tensor, query_pad: Tensor | None
+    ) -> None:
+        """Running max of q.k / sqrt(head_dim) (the softmax's input, as scaled_dot_product_
+        attention scales it) over the (query, key) pairs the mask lets through, real queries
+        only. One extra [B,A,Lq,Lk] product per attention, under no_grad."""
+        with torch.no_grad():
+            logits = queries.detach() @ keys.detach().transpose(-2, -1) / math.sqrt(self.head_dim)
+            mask = allowed.expand_as(logits)
+            if query_pad is not None:
+                mask = mask & ~query_pad[:, None, :, None]
+            # -inf if the mask lets nothing through (read as "no value"); no host sync here
+            current = logits.masked_fill(~mask, -math.inf).amax().float()
+            previous = self.max_logit
+            if previous is not None and previous.device == current.device:
+                current = torch.maximum(previous, current)
+            self.max_logit = current
+
+    def forward(
+        self, query: Tensor, memory: Tensor, allowed: Tensor, query_pad: Tensor | None = None
+    ) -> Tensor:
+        return self.attend(query, *self.keys_values(memory), allowed, query_pad)
 
 
 class FeedForward(nn.Module):
@@ -252,8 +320,20 @@ class Embed(_RecordsActivation):
         return enc_state, dec_state, src_pad, tgt_pad
 
 
+NORMS = ("pre", "post")
+
+
+def _check_norm(norm: str) -> None:
+    if norm not in NORMS:
+        raise ValueError(f"norm={norm!r} is not one of {list(NORMS)}")
+
+
 class EncoderLayer(_RecordsActivation):
-    """Pre-norm encoder layer: self-attention then feed-forward; updates enc_state only."""
+    """Encoder layer: self-attention then feed-forward; updates enc_state only.
+
+    ``norm="pre"``: ``x + dropout(f(LayerNorm(x)))``; ``norm="post"`` (the original
+    Transformer): ``LayerNorm(x + dropout(f(x)))``, the same LayerNorm modules in both.
+    """
 
     def __init__(
         self,
@@ -265,12 +345,18 @@ class EncoderLayer(_RecordsActivation):
         dropout: float,
         attention_dropout: float,
         ffn_init_scale: float,
+        norm: str = "pre",
+        qk_norm: bool = False,
+        record_attention: bool = True,
     ) -> None:
         super().__init__()
+        _check_norm(norm)
+        self.post_norm = norm == "post"
         self.ffn_init_scale = ffn_init_scale
         self.self_attn_norm = nn.LayerNorm(d_model)
         self.self_attn = MultiHeadAttention(
-            d_model, num_heads=num_heads, head_dim=head_dim, attention_dropout=attention_dropout
+            d_model, num_heads=num_heads, head_dim=head_dim, attention_dropout=attention_dropout,
+            qk_norm=qk_norm, record_logits=record_attention,
         )
         self.ffn_norm = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model, ffn_dim)
@@ -280,17 +366,19 @@ class EncoderLayer(_RecordsActivation):
     def reset_parameters(self) -> None:
         for norm in (self.self_attn_norm, self.ffn_norm):
             norm.reset_parameters()
-        for linear in (self.self_attn.query, self.self_attn.key, self.self_attn.value):
-            _init_linear(linear)
-        _init_linear(self.self_attn.out)
+        self.self_attn.reset_parameters()
         _init_linear(self.ffn.up, self.ffn_init_scale)
         _init_linear(self.ffn.down, self.ffn_init_scale)
 
     def encode(self, enc_state: Tensor, src_pad: Tensor) -> Tensor:
         """One encoder layer on ``enc_state`` [B,S,D] with padding mask ``src_pad`` [B,S]."""
         allowed = _allow_some_key(~src_pad[:, None, None, :])
+        if self.post_norm:
+            attended = self.self_attn(enc_state, enc_state, allowed, src_pad)
+            enc_state = self.self_attn_norm(enc_state + self.dropout(attended))
+            return self.ffn_norm(enc_state + self.dropout(self.ffn(enc_state)))
         normed = self.self_attn_norm(enc_state)
-        enc_state = enc_state + self.dropout(self.self_attn(normed, normed, allowed))
+        enc_state = enc_state + self.dropout(self.self_attn(normed, normed, allowed, src_pad))
         return enc_state + self.dropout(self.ffn(self.ffn_norm(enc_state)))
 
     def forward(self, state: State) -> State:
@@ -348,10 +436,12 @@ class DecoderCache:
 
 
 class DecoderLayer(_RecordsActivation):
-    """Pre-norm decoder layer: causal self-attention, cross-attention, feed-forward.
+    """Decoder layer: causal self-attention, cross-attention, feed-forward (``norm`` as in
+    ``EncoderLayer``).
 
     The first decoder layer (``normalize_memory=True``) also applies the encoder's final
-    LayerNorm to enc_state and passes the normalised memory on to the later decoder layers.
+    LayerNorm to enc_state and passes the normalised memory on to the later decoder layers
+    (pre-norm only: a post-norm encoder's output is already normalised).
     """
 
     def __init__(
@@ -365,18 +455,26 @@ class DecoderLayer(_RecordsActivation):
         attention_dropout: float,
         ffn_init_scale: float,
         normalize_memory: bool,
+        norm: str = "pre",
+        qk_norm: bool = False,
+        record_attention: bool = True,
     ) -> None:
         super().__init__()
+        _check_norm(norm)
+        self.post_norm = norm == "post"
+        if normalize_memory and self.post_norm:
+            raise ValueError("normalize_memory=True is the pre-norm encoder's final LayerNorm; "
+                             "a post-norm decoder layer takes normalize_memory=False")
         self.ffn_init_scale = ffn_init_scale
         self.memory_norm = nn.LayerNorm(d_model) if normalize_memory else None
+        attention_args: dict[str, Any] = dict(
+            num_heads=num_heads, head_dim=head_dim, attention_dropout=attention_dropout,
+            qk_norm=qk_norm, record_logits=record_attention,
+        )
         self.self_attn_norm = nn.LayerNorm(d_model)
-        self.self_attn = MultiHeadAttention(
-            d_model, num_heads=num_heads, head_dim=head_dim, attention_dropout=attention_dropout
-        )
+        self.self_attn = MultiHeadAttention(d_model, **attention_args)
         self.cross_attn_norm = nn.LayerNorm(d_model)
-        self.cross_attn = MultiHeadAttention(
-            d_model, num_heads=num_heads, head_dim=head_dim, attention_dropout=attention_dropout
-        )
+        self.cross_attn = MultiHeadAttention(d_model, **attention_args)
         self.ffn_norm = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model, ffn_dim)
         self.dropout = nn.Dropout(dropout)
@@ -389,8 +487,7 @@ class DecoderLayer(_RecordsActivation):
         for norm in norms:
             norm.reset_parameters()
         for attn in (self.self_attn, self.cross_attn):
-            for linear in (attn.query, attn.key, attn.value, attn.out):
-                _init_linear(linear)
+            attn.reset_parameters()
         _init_linear(self.ffn.up, self.ffn_init_scale)
         _init_linear(self.ffn.down, self.ffn_init_scale)
 
@@ -413,7 +510,9 @@ class DecoderLayer(_RecordsActivation):
         the memory's keys and values, and is extended in place.
         """
         new_length = dec_state.shape[1]
-        normed = self.self_attn_norm(dec_state)
+        post = self.post_norm
+        # the sub-layers' input: the state itself (post-norm) or its LayerNorm (pre-norm)
+        normed = dec_state if post else self.self_attn_norm(dec_state)
         keys, values = self.self_attn.keys_values(normed)
         key_pad = tgt_pad
         if cache is not None:
@@ -425,17 +524,22 @@ class DecoderLayer(_RecordsActivation):
         ).tril(diagonal=offset)
         self_allowed = _allow_some_key(causal[None, None] & ~key_pad[:, None, None, :])
         dec_state = dec_state + self.dropout(
-            self.self_attn.attend(normed, keys, values, self_allowed)
+            self.self_attn.attend(normed, keys, values, self_allowed, tgt_pad)
         )
+        if post:
+            dec_state = self.self_attn_norm(dec_state)
         if cache is None:
             memory_keys, memory_values = self.cross_attn.keys_values(memory)
         else:
             memory_keys, memory_values = cache.memory_keys_values(self.cross_attn, memory)
         cross_allowed = _allow_some_key(~src_pad[:, None, None, :])
-        normed = self.cross_attn_norm(dec_state)
+        normed = dec_state if post else self.cross_attn_norm(dec_state)
         dec_state = dec_state + self.dropout(
-            self.cross_attn.attend(normed, memory_keys, memory_values, cross_allowed)
+            self.cross_attn.attend(normed, memory_keys, memory_values, cross_allowed, tgt_pad)
         )
+        if post:
+            dec_state = self.cross_attn_norm(dec_state)
+            return self.ffn_norm(dec_state + self.dropout(self.ffn(dec_state)))
         return dec_state + self.dropout(self.ffn(self.ffn_norm(dec_state)))
 
     def forward(self, state: State) -> State:
@@ -457,6 +561,9 @@ class Project(_RecordsActivation):
     # logits beyond the clip bound and all logits, at non-padding positions, since last read
     clipped_logits: Tensor | None
     counted_logits: Tensor | None
+    # sum of log Z and of (log Z)^2 of the output softmax (of the clipped logits, the
+    # softmax's input) and the count of positions, non-padding ones, since last read
+    log_z_sums: Tensor | None
 
     def __init__(
         self,
@@ -465,12 +572,15 @@ class Project(_RecordsActivation):
         *,
         logits_abs_max: float | None,
         tied_weight: Tensor | None = None,
+        final_norm: bool = True,
     ) -> None:
         super().__init__()
         self.logits_abs_max = logits_abs_max
         self.max_abs_logit = None
         self.clipped_logits = self.counted_logits = None
-        self.norm = nn.LayerNorm(d_model)
+        self.log_z_sums = None
+        # a pre-norm decoder's output needs a final LayerNorm; a post-norm one is normalised
+        self.norm: nn.Module = nn.LayerNorm(d_model) if final_norm else nn.Identity()
         if tied_weight is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
             self.tied = False
@@ -483,7 +593,8 @@ class Project(_RecordsActivation):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        self.norm.reset_parameters()
+        if isinstance(self.norm, nn.LayerNorm):
+            self.norm.reset_parameters()
         if not self.tied:  # a tied table is initialised by its owner, Embed
             nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
         nn.init.zeros_(self.bias)
@@ -500,7 +611,21 @@ class Project(_RecordsActivation):
                 self._count_clipped(logits, tgt_pad)
         if self.logits_abs_max is not None:
             logits = logits.clamp(-self.logits_abs_max, self.logits_abs_max)
+        if self.training:
+            self._sum_log_z(logits, tgt_pad)
         return logits
+
+    def _sum_log_z(self, logits: Tensor, tgt_pad: Tensor | None) -> None:
+        with torch.no_grad():
+            log_z = torch.logsumexp(_loss_precision(logits.detach()), dim=-1)
+            if tgt_pad is not None:
+                log_z = log_z[~tgt_pad]
+            sums = torch.stack([log_z.sum(), log_z.square().sum(),
+                                torch.tensor(float(log_z.numel()), device=log_z.device,
+                                             dtype=log_z.dtype)]).double()
+            if self.log_z_sums is not None and self.log_z_sums.device == sums.device:
+                sums = sums + self.log_z_sums
+            self.log_z_sums = sums
 
     def _count_clipped(self, logits: Tensor, tgt_pad: Tensor | None) -> None:
         assert self.logits_abs_max is not None
@@ -535,12 +660,16 @@ def transformer(
     logits_abs_max: float | None = 20.0,
     max_positions: int = 256,
     pad_id: int = 0,
+    norm: str = "pre",
+    qk_norm: bool = False,
+    record_attention: bool = False,
 ) -> nn.Sequential:
     """T(num_layers, ffn_dim, num_heads) at width ``d_model`` as one ``nn.Sequential``.
 
     Build it under ``with torch.device("meta"):`` to count parameters without memory; call each
     layer's ``reset_parameters()`` after materialising it (``to_empty``) to initialise it.
     """
+    _check_norm(norm)
     ffn_init_scale = (2 * num_layers) ** -0.5 if scaled_init else 1.0
     layer_args: dict[str, Any] = dict(
         num_heads=num_heads,
@@ -548,6 +677,9 @@ def transformer(
         dropout=dropout,
         attention_dropout=attention_dropout,
         ffn_init_scale=ffn_init_scale,
+        norm=norm,
+        qk_norm=qk_norm,
+        record_attention=record_attention,
     )
     embed = Embed(
         vocab_size,
@@ -564,11 +696,13 @@ def transformer(
         layers.append(
             (
                 f"decoder_{index}",
-                DecoderLayer(d_model, ffn_dim, normalize_memory=index == 0, **layer_args),
+                DecoderLayer(d_model, ffn_dim, normalize_memory=index == 0 and norm == "pre",
+                             **layer_args),
             )
         )
     tied = embed.target_table.weight if tie_output else None
-    project = Project(d_model, vocab_size, logits_abs_max=logits_abs_max, tied_weight=tied)
+    project = Project(d_model, vocab_size, logits_abs_max=logits_abs_max, tied_weight=tied,
+                      final_norm=norm == "pre")
     layers.append(("project", project))
     return nn.Sequential(OrderedDict(layers))
 
@@ -655,36 +789,62 @@ def _loss_precision(logits: Tensor) -> Tensor:
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
+def z_loss_sum(logits: Tensor, target_ids: Tensor, *, pad_id: int) -> Tensor:
+    """Sum of (log Z)^2 over the non-padding target positions, Z the output softmax's
+    normaliser (the z-loss of Mesh TensorFlow / PaLM, before its weight)."""
+    log_z = torch.logsumexp(_loss_precision(logits), dim=-1)
+    return log_z.square()[target_ids.ne(pad_id)].sum()
+
+
 def token_cross_entropy(
-    logits: Tensor, target_ids: Tensor, *, pad_id: int, label_smoothing: float = 0.0
+    logits: Tensor,
+    target_ids: Tensor,
+    *,
+    pad_id: int,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
 ) -> Tensor:
-    """Mean label-smoothed cross entropy over the non-padding target tokens.
+    """Mean label-smoothed cross entropy over the non-padding target tokens, plus ``z_loss``
+    times the mean (log Z)^2 over them when ``z_loss`` > 0.
 
     ``logits`` [B,T,V], ``target_ids`` [B,T] (the target shifted left: predictions of
     ``tgt_in_ids``). Micro-batches hold different token counts, so the mean of their means is
     not the batch mean: for pipelines use ``token_cross_entropy_sum`` and divide by the batch's
     token count.
     """
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         _loss_precision(logits.flatten(0, 1)),
         target_ids.flatten(),
         ignore_index=pad_id,
         label_smoothing=label_smoothing,
     )
+    if z_loss:
+        tokens = target_ids.ne(pad_id).sum().clamp(min=1)
+        loss = loss + z_loss * z_loss_sum(logits, target_ids, pad_id=pad_id) / tokens
+    return loss
 
 
 def token_cross_entropy_sum(
-    logits: Tensor, target_ids: Tensor, *, pad_id: int, label_smoothing: float = 0.0
+    logits: Tensor,
+    target_ids: Tensor,
+    *,
+    pad_id: int,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
 ) -> Tensor:
-    """Summed label-smoothed cross entropy over the non-padding target tokens (divide by the
-    mini-batch's token count yourself, so micro-batches add up to the full-batch mean)."""
-    return F.cross_entropy(
+    """Summed label-smoothed cross entropy over the non-padding target tokens, plus ``z_loss``
+    times the summed (log Z)^2 (divide by the mini-batch's token count yourself, so
+    micro-batches add up to the full-batch mean)."""
+    loss = F.cross_entropy(
         _loss_precision(logits.flatten(0, 1)),
         target_ids.flatten(),
         ignore_index=pad_id,
         label_smoothing=label_smoothing,
         reduction="sum",
     )
+    if z_loss:
+        loss = loss + z_loss * z_loss_sum(logits, target_ids, pad_id=pad_id)
+    return loss
 
 
 def _recording_layers(module: nn.Module) -> Iterator[tuple[str, _RecordsActivation]]:
@@ -715,6 +875,36 @@ def activation_stats(module: nn.Module, *, reset: bool = True) -> dict[str, floa
             layer.max_abs_activation = None
             if isinstance(layer, Project):
                 layer.max_abs_logit = layer.clipped_logits = layer.counted_logits = None
+    return stats
+
+
+def stability_stats(module: nn.Module, *, reset: bool = True) -> dict[str, float]:
+    """What issue 21's stability sweep measures, since the last read (training forwards only):
+
+    - ``"<layer>.<self_attn|cross_attn>/max_attention_logit"``: the largest q.k / sqrt(head_dim)
+      over real queries and the keys they may see (the softmax's input);
+    - ``"<project>/log_z_sum"``, ``"/log_z_sq_sum"``, ``"/log_z_count"``: sums of log Z and
+      (log Z)^2 of the output softmax (of the clipped logits) over non-padding target positions,
+      and their count: sums, so that stages, micro-batches and replicas add up.
+
+    Works on the whole model or one partition; keys use its module names. ``activation_stats``
+    keeps the largest |logit| and the clipped fraction. Reading syncs with the device.
+    """
+    stats: dict[str, float] = {}
+    for name, layer in module.named_modules():
+        if isinstance(layer, MultiHeadAttention):
+            if layer.max_logit is not None and math.isfinite(float(layer.max_logit)):
+                stats[f"{name}/max_attention_logit"] = float(layer.max_logit)
+            if reset:
+                layer.max_logit = None
+        elif isinstance(layer, Project):
+            if layer.log_z_sums is not None:
+                total, squares, count = (float(v) for v in layer.log_z_sums)
+                stats[f"{name}/log_z_sum"] = total
+                stats[f"{name}/log_z_sq_sum"] = squares
+                stats[f"{name}/log_z_count"] = count
+            if reset:
+                layer.log_z_sums = None
     return stats
 
 

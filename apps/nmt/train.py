@@ -68,6 +68,7 @@ from apps.nmt.evaluate import (
     write_report,
 )
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
+from apps.nmt.monitor import gather_stability
 from apps.nmt.pipelined_search import pipeline_search
 
 # Config keys a resumed run may change (apps.common.check_resumable): budgets, logging,
@@ -307,10 +308,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         balance = list(config.balance or gp.balance_by_params(model, config.num_stages))
     else:
         balance = nmt_balance(config, device)
-    pad_id, smoothing = config.pad_id, config.label_smoothing
+    pad_id, smoothing, z_loss = config.pad_id, config.label_smoothing, config.z_loss
 
     def loss_fn(logits: Tensor, target_ids: Tensor) -> Tensor:
-        return token_cross_entropy_sum(logits, target_ids, pad_id=pad_id, label_smoothing=smoothing)
+        return token_cross_entropy_sum(logits, target_ids, pad_id=pad_id, label_smoothing=smoothing,
+                                       z_loss=z_loss)
 
     pipe = gp.DistributedGPipe(
         model,
@@ -504,6 +506,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             record["grad_norm"] = float(grad_norm)
         record.update(stats)
         record["clip_engaged"] = bool(config.clip_logits and stats["clipped_fraction"] > 0)
+        # attention logits per layer, log Z, z-loss share (apps.nmt.monitor; collective)
+        record.update(gather_stability(pipe, num_layers=config.num_layers, device=device,
+                                       z_loss=config.z_loss, record_attention=config.record_attention))
         logger.step(record)
         # divergence: a non-finite loss, or one beyond max_loss_factor x ln(vocab_size)
         check_loss(loss_value, step=step, num_classes=config.vocab_size,
