@@ -738,7 +738,6 @@ def on_rank0(work: Callable[[], Any], *, what: str, timeout_s: float = 4 * 3600,
     collectives with that rank do, within the process group's timeout).
     """
     import threading
-    import time
 
     if 0 not in workers:
         raise ValueError(f"workers={sorted(workers)} must include rank 0, which reports")
@@ -772,6 +771,19 @@ def on_rank0(work: Callable[[], Any], *, what: str, timeout_s: float = 4 * 3600,
             store.set(key, "ok")
         return
     silence = gp.group_timeout_s() if silence_s is None else silence_s
+    if not wait_for_rank0(store, key, what=what, rank=rank, silence_s=silence,
+                          timeout_s=timeout_s):
+        raise SystemExit(1)  # rank 0 says why (one message for the run, not one per rank)
+
+
+def wait_for_rank0(store: Any, key: str, *, what: str, rank: int, silence_s: float,
+                   timeout_s: float) -> bool:
+    """Wait until rank 0 records ``key`` (True if it recorded "ok"), watching its heartbeat
+    (``<key>/heartbeat``, any value that changes): :class:`PipelineFailure` naming rank 0 after
+    ``silence_s`` without a change, or when the job takes longer than ``timeout_s``."""
+    import time
+
+    beat_key = f"{key}/heartbeat"
     begin = last_change = time.monotonic()
     last_beat = None
     while not store.check([key]):
@@ -779,13 +791,12 @@ def on_rank0(work: Callable[[], Any], *, what: str, timeout_s: float = 4 * 3600,
         beat = store.get(beat_key) if store.check([beat_key]) else None
         if beat != last_beat:
             last_beat, last_change = beat, now
-        elif now - last_change > silence:
+        elif now - last_change > silence_s:
             raise gp.PipelineFailure(
-                f"rank {rank} stops: rank 0 gave no sign of life for {silence:g} s while "
+                f"rank {rank} stops: rank 0 gave no sign of life for {silence_s:g} s while "
                 f"{what} (that rank hangs or died)")
         if now - begin > timeout_s:
             raise gp.PipelineFailure(
                 f"rank {rank} stops: rank 0 did not finish {what} within {timeout_s:g} s")
         time.sleep(0.25)
-    if store.get(key).decode() != "ok":
-        raise SystemExit(1)  # rank 0 says why (one message for the run, not one per rank)
+    return bool(store.get(key).decode() == "ok")

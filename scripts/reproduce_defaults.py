@@ -88,9 +88,12 @@ def main() -> None:
     parser.add_argument("--collect", action="store_true",
                         help="record the runs already in runs/<condition>/ instead of running")
     parser.add_argument("--note", default="", help="how the runs were made, if collected")
+    parser.add_argument("--tag", default="", help="written to defaults_<condition>[_<tag>].json, "
+                        "runs in runs/<condition>[_<tag>]/")
     args = parser.parse_args()
 
-    out_dirs = {app: Path("runs") / args.condition / app for app in args.apps}
+    name = args.condition + (f"_{args.tag}" if args.tag else "")
+    out_dirs = {app: Path("runs") / name / app for app in args.apps}
     load_before = os.getloadavg()
     samples: list[float] = []
     walls: dict[str, float | None] = {app: None for app in args.apps}
@@ -129,7 +132,7 @@ def main() -> None:
         "results": results,
         **provenance(load_before),
     }
-    path = ROOT / "docs" / "reproduction" / f"defaults_{args.condition}.json"
+    path = ROOT / "docs" / "reproduction" / f"defaults_{name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     for app, result in results.items():
         print(f"{app}: goal {'met' if result['goal_met'] else 'MISSED'} ({result['goal']}); "

@@ -109,45 +109,36 @@ def test_the_nmt_default_is_balanced_by_time_not_parameters(tmp_path: Path) -> N
 # on_rank0: a long one-rank job whose rank 0 stops is found by its heartbeat, not after hours
 
 
-def _rank0_stops_in_its_job(rank: int, world: int, report: str) -> None:
-    import json
-    import os
-    import signal
+def test_a_silent_rank_0_is_named_and_a_beating_one_is_waited_for() -> None:
+    import threading
     import time
 
     import torch.distributed as dist
 
     import gpipe_core as gp
 
-    pids = [0] * world
-    dist.all_gather_object(pids, os.getpid())
-    if rank == 0:  # the job starts, then rank 0 stops (a stuck disk, SIGSTOP, a debugger)
-        common.on_rank0(lambda: (time.sleep(2.5), os.kill(os.getpid(), signal.SIGSTOP)),
-                        what="preparing the corpus")
-        return
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 1, is_master=False)
+    key = "apps/on_rank0/preparing the corpus"
+    # rank 0 beats for 1.5 s, then stops (a stuck disk, SIGSTOP): silence names it
+    server.set(f"{key}/heartbeat", "0")
+
+    def beat(times: int, then_done: bool) -> None:
+        for count in range(1, times + 1):
+            time.sleep(0.5)
+            server.set(f"{key}/heartbeat", str(count))
+        if then_done:
+            server.set(key, "ok")
+
+    threading.Thread(target=beat, args=(3, False), daemon=True).start()
     begin = time.monotonic()
-    try:
-        common.on_rank0(lambda: None, what="preparing the corpus", silence_s=2.0)
-        message = None
-    except gp.PipelineFailure as failure:
-        message = str(failure)
-    Path(report).write_text(json.dumps({"message": message,
-                                        "waited": time.monotonic() - begin}))
-    os.kill(pids[0], signal.SIGKILL)
-
-
-@pytest.mark.distributed
-def test_a_stopped_rank_0_is_named_by_its_silence_not_after_hours(tmp_path: Path) -> None:
-    import json
-
-    from tests.distributed.launch import spawn
-
-    report = tmp_path / "rank1.json"
-    codes = spawn(_rank0_stops_in_its_job, 2, tmp_path / "run", str(report), timeout_s=60,
-                  expect_failure=True, pg_timeout_s=60, tcp_store=True)
-    assert codes[1][0] == 0, codes[1][1]
-    result = json.loads(report.read_text())
-    assert result["message"] == ("rank 1 stops: rank 0 gave no sign of life for 2 s while "
-                                 "preparing the corpus (that rank hangs or died)"), result
-    # 2.5 s of beats while the job ran, then 2 s of silence, polled every 0.25 s
-    assert 4.5 <= result["waited"] < 2.5 + 2.0 + 2.0, result
+    with pytest.raises(gp.PipelineFailure, match=r"^rank 1 stops: rank 0 gave no sign of life "
+                       r"for 1 s while preparing the corpus \(that rank hangs or died\)$"):
+        common.wait_for_rank0(client, key, what="preparing the corpus", rank=1, silence_s=1.0,
+                              timeout_s=60)
+    assert 1.5 + 1.0 <= time.monotonic() - begin < 1.5 + 1.0 + 1.0
+    # a job three times longer than the silence bound, beating all along, is waited for
+    key = "apps/on_rank0/evaluating"
+    threading.Thread(target=beat, args=(6, True), daemon=True).start()
+    assert common.wait_for_rank0(client, key, what="evaluating", rank=1, silence_s=1.0,
+                                 timeout_s=60)

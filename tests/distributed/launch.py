@@ -17,19 +17,17 @@ import torch.multiprocessing as mp
 
 def _worker(
     rank: int, world_size: int, root: str, fn: Callable[..., Any], args: tuple[Any, ...],
-    pg_timeout_s: float = 60.0, store_port: int | None = None,
+    pg_timeout_s: float = 60.0,
 ) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"  # never any other address
-    timeout = datetime.timedelta(seconds=pg_timeout_s)
-    if store_port is not None:  # the parent's store, as torchrun's agent hosts it
-        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
-                              timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
-    else:
-        dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
-                                world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{root}/rendezvous",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, f"{root}/result-{rank}.pt")
@@ -48,27 +46,17 @@ def spawn(
     timeout_s: float = 240.0,
     expect_failure: bool = False,
     pg_timeout_s: float = 60.0,
-    tcp_store: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
 
     ``pg_timeout_s``: the process group's timeout (how long a collective waits).
-    ``tcp_store``: rendezvous on a TCPStore that this process hosts on 127.0.0.1, as torchrun's
-    agent does (so a stopped rank does not stop the store), instead of a file (a FileStore
-    deadlocked here when two threads of one process used it).
 
     Raises with every failed rank's traceback; kills all processes past ``timeout_s``.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
     root = str(tmp_path)
-    server = None
-    if tcp_store:
-        server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                               wait_for_workers=False)
     context = mp.start_processes(
-        _worker, args=(world_size, root, fn, args, pg_timeout_s,
-                       server.port if server is not None else None),
-        nprocs=world_size, join=False,
+        _worker, args=(world_size, root, fn, args, pg_timeout_s), nprocs=world_size, join=False,
         start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s
