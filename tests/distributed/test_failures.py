@@ -127,7 +127,9 @@ def test_an_error_in_the_block_itself_is_not_blamed_on_a_peer(tmp_path: Path) ->
 # stopped by SIGSTOP is named by its peer within timeout_s + NAMING_S. The world group of these
 # processes waits 120 s, so a wait on any group built without the bound could not pass.
 
-GROUP_TIMEOUT_S = 3.0
+# Long enough that a first step on two busy cores never times out by itself (3 s once did, at a
+# load average of 8), short enough that the 30-minute default could not pass for it.
+GROUP_TIMEOUT_S = 5.0
 
 
 def run_stopped_rank(rank: int, world: int, where: str, report: str) -> None:
@@ -145,6 +147,7 @@ def run_stopped_rank(rank: int, world: int, where: str, report: str) -> None:
     inputs, targets = torch.randn(4, 4), torch.randn(4, 2)
     pipe.step(inputs, targets)
     pipe.clip_grad_norm_(1.0)
+    dist.barrier()  # both ranks are past their first step (slow on busy cores)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 kills it once it has named it
     begin = time.monotonic()
