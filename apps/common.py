@@ -39,7 +39,7 @@ from torch import Tensor
 import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
 from gpipe_core.microbatch import map_tensors
-from gpipe_core.remat import CHECKPOINT_MODES
+from gpipe_core.remat import check_pipeline_args
 from gpipe_core.storage import torch_load
 
 KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
@@ -59,8 +59,10 @@ def check_pipeline_options(*, schedule: str, checkpoint: str, num_stages: int,
         gp.get_schedule(schedule, num_stages, chunks)
     except ValueError as error:
         raise ConfigError(f"schedule={schedule!r}: {error}") from None
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ConfigError(f"checkpoint={checkpoint!r} is not one of {list(CHECKPOINT_MODES)}")
+    try:
+        check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 @dataclass

@@ -39,7 +39,7 @@ from .groups import default_device, group_timeout_s
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import split_module, verify_module
-from .remat import CHECKPOINT_MODES, fork_rng
+from .remat import check_pipeline_args, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Schedule, check_in_order_matching, get_schedule
 from .shards import load_shards, save_stage_checkpoint, shard_name
@@ -117,10 +117,7 @@ class DistributedGPipe(StepCounter, nn.Module):
                 "gp.init_process_groups(num_stages) (or dist.init_process_group) first"
             )
         verify_module(module)
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks={chunks!r} must be a positive integer")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint={checkpoint!r} is not one of {CHECKPOINT_MODES}")
+        check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' or 'sum'")
         self.group = group

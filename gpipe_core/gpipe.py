@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from .batchnorm import DeferredBatchNorm
 from .microbatch import flatten, gather, scatter, unflatten
 from .partition import split_module, verify_module
-from .remat import CHECKPOINT_MODES
+from .remat import check_pipeline_args
 from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Action, Schedule, gpipe
 from .stage import Stage
@@ -66,10 +66,7 @@ class GPipe(StepCounter, nn.Module):
     ) -> None:
         super().__init__()
         verify_module(module)
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks={chunks!r} must be a positive integer (1 = no micro-batching)")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint={checkpoint!r} is not one of {CHECKPOINT_MODES}")
+        check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
         partitions = split_module(module, balance)
         if devices is None:
             devices = ["cpu"] * len(partitions)

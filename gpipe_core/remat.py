@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["CheckpointMode", "CHECKPOINT_MODES", "checkpoint_stop", "derive_seed", "fork_rng",
+__all__ = ["CheckpointMode", "CHECKPOINT_MODES", "check_pipeline_args", "checkpoint_stop", "derive_seed", "fork_rng",
            "layer_seeds", "seed_rng"]
 
 CheckpointMode = Literal["always", "except_last", "never"]
@@ -39,6 +39,15 @@ def checkpoint_stop(mode: str, num_microbatches: int) -> int:
     if mode == "never":
         return 0
     raise ValueError(f"checkpoint={mode!r} is not one of {CHECKPOINT_MODES}")
+
+
+def check_pipeline_args(*, chunks: int, checkpoint: str) -> None:
+    """The arguments ``GPipe`` and ``DistributedGPipe`` share, checked once for both (and for
+    the apps' configs): ``chunks`` a positive integer, ``checkpoint`` a known mode."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks={chunks!r} must be a positive integer (1 = no micro-batching)")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint={checkpoint!r} is not one of {list(CHECKPOINT_MODES)}")
 
 
 def _splitmix64(value: int) -> int:
