@@ -11,7 +11,7 @@ ARGS ?=
 .PHONY: install test test-fast lint smoke train-nmt eval-nmt translate train-amoebanet \
         eval-amoebanet classify \
         bench bench-overhead bench-pipeline bench-decoding reproduce-stability reproduce-depth-width \
-        reproduce-memory reproduce-throughput reproduce-app-pipelines demo-large-nmt clean
+        reproduce-memory reproduce-throughput reproduce-app-pipelines demo-large-nmt reproduce-defaults clean
 
 install: $(STAMP)
 
@@ -70,6 +70,12 @@ bench-decoding: install
 	$(PY) scripts/bench_decoding.py $(ARGS)
 
 bench: bench-overhead bench-pipeline bench-decoding
+
+# The two first commands as a new user runs them, alone (normal) and both at once (slowed):
+# do they end within 30 minutes with their promised quality? (~1.5 h; docs/reproduction/defaults_*.json)
+reproduce-defaults: install
+	$(PY) scripts/reproduce_defaults.py --condition normal $(ARGS)
+	$(PY) scripts/reproduce_defaults.py --condition slowed $(ARGS)
 
 # The paper's NMT findings at CPU scale, as issue 21 designs them (docs/REPRODUCTION.md):
 # stability as learning-rate sensitivity, and depth against width with transfer. Each prepares
