@@ -147,3 +147,26 @@ def test_bisected_balance_matches_the_dynamic_programme() -> None:
         fast = _bisected_balance(prefix, k)
         assert len(fast) == k and sum(fast) == n and min(fast) >= 1
         assert fast.max_cost == pytest.approx(optimal_balance(costs, k).max_cost, rel=1e-9)
+
+
+def test_identical_layers_counted_once_give_the_full_count() -> None:
+    from apps.amoebanet.model import build_amoebanet
+    from apps.nmt.model import transformer
+
+    def amoeba() -> nn.Sequential:
+        return build_amoebanet("meta", genotype="D", num_normal_cells=9, filters=8,
+                               num_classes=10, in_chans=3, stem_stride=1)
+
+    def nmt() -> nn.Sequential:
+        with torch.device("meta"):
+            return transformer(num_layers=4, d_model=32, ffn_dim=64, num_heads=2, head_dim=16,
+                               vocab_size=100)
+
+    ids = torch.zeros(2, 7, dtype=torch.long, device="meta")
+    for build, sample in ((amoeba, torch.empty(2, 3, 16, 16, device="meta")),
+                          (nmt, (ids, ids))):
+        # fresh models: the NMT layers record activation statistics, which adds operators
+        # after a layer's first call
+        full = gp.layer_costs(build(), sample)
+        reused = gp.layer_costs(build(), sample, same_layer=gp.costs.structural_key)
+        assert reused == full
