@@ -225,9 +225,12 @@ def plan_largest(
     """
     counted: dict[int, LayerCosts] = {}
 
-    def best(index: int, k: int) -> Plan | None:
+    def best(index: int, k: int) -> Plan | str | None:
+        """The fastest plan; "short": fewer layers than K stages (try larger); None: too big."""
         if index not in counted:
             counted[index] = costs_for(ladder[index])
+        if len(counted[index]) < k:
+            return "short"
         try:
             return plan(counted[index], stages=[k], **plan_kwargs)[0]  # type: ignore[arg-type]
         except NoPlanFits:
@@ -243,7 +246,8 @@ def plan_largest(
             if candidate is None:
                 high = middle
             else:
-                low, found = middle, candidate
+                low = middle
+                found = candidate if isinstance(candidate, Plan) else None
         result[k] = None if low < 0 or found is None else (low, found)
     return result
 

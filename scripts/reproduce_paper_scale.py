@@ -295,6 +295,7 @@ def table1(families: dict[str, Family], tiny: bool) -> list[dict[str, Any]]:
                     ladder_steps_from_paper=round(index - position, 2),
                     within_one_step=abs(index - position) <= 1.0,
                     predicted_params=costs.num_parameters,
+                    params_ratio_to_paper=costs.num_parameters / paper["params"],
                     predicted_param_memory=sum(best.param_bytes) / unit,
                     predicted_activation_memory=sum(best.activation_bytes) / unit,
                     plan=best.describe(), step_time_s=best.step_time)
@@ -412,6 +413,10 @@ def table2(tiny: bool) -> dict[str, Any]:
         print(f"table 2 {c['table']:6s} {c['model']:11s} K={c['K']} M={c['M']:2d}: predicted "
               f"{c['predicted']:.2f}x, paper {c['paper']:.2f}x ({c['error']:+.0%})")
     result["comparisons"] = comparisons
+    # The shape: AmoebaNet sub-linear in K (imbalanced cells), the Transformer near-linear.
+    result["shape"] = {name: {"K8_M32_over_K2_M1": next(
+        r["normalised"] for r in result["tpu_v3"][name] if (r["K"], r["M"]) == (8, 32)),
+        "paper": PAPER_TABLE2[name][(8, 32)]} for name in models}
     result["median_abs_error"] = statistics.median(abs(c["error"]) for c in comparisons)
     return result
 
@@ -423,7 +428,7 @@ def provenance() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return {"commit": commit, "torch": torch.__version__,
-            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "load_average_1_5_15_min": list(os.getloadavg())}
 
 

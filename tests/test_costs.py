@@ -135,6 +135,10 @@ def test_plan_largest_finds_the_last_fitting_size() -> None:
     assert found[1] is not None and ladder[found[1][0]] == 8  # 64 wide fits, 128 not
     assert found[4] is not None and ladder[found[4][0]] == 16
     assert found[4][1].num_ranks == 4
+    # Models with fewer layers than K are too small, not too big: the search goes up.
+    deep = gp.plan_largest(ladder, costs_for, stages=[8], device=device.with_memory(1e12),
+                           optimizer=per_parameter, batch_size=2)
+    assert deep[8] is None  # every entry has 4 layers: none can be cut in 8
 
 
 def test_bisected_balance_matches_the_dynamic_programme() -> None:
