@@ -23,7 +23,7 @@ micro-batch's backward is :meth:`LayerCosts.kept_bytes`: its input, plus what it
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .microbatch import flatten, map_tensors
 
-__all__ = ["LayerCosts", "layer_costs"]
+__all__ = ["LayerCosts", "layer_costs", "structural_key"]
 
 # Fields that do not scale with the batch.
 _PER_SAMPLE = ("param_count", "param_bytes", "forward_ops", "backward_ops")
@@ -45,7 +45,7 @@ _PER_SAMPLE = ("param_count", "param_bytes", "forward_ops", "backward_ops")
 class LayerCosts:
     """Per layer of an ``nn.Sequential``, for a batch of ``batch_size`` samples."""
 
-    batch_size: int
+    batch_size: float  # samples the counts are for
     names: list[str] = field(default_factory=list)
     param_count: list[int] = field(default_factory=list)
     param_bytes: list[float] = field(default_factory=list)
@@ -140,12 +140,72 @@ def _nbytes(value: Any) -> float:
     return float(sum(t.numel() * t.element_size() for t in _tensors(value)))
 
 
+@dataclass
+class _Counted:
+    """One layer's count on one input signature, reusable for an identical layer."""
+
+    values: dict[str, float]
+    saved_inputs: list[tuple[frozenset[int], int]]  # input leaves sharing a saved storage, bytes
+    output: Any
+    saved_outputs: frozenset[int]  # output leaves whose storage this layer saved
+
+
+def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
+                 grad_of: Callable[[Tensor], Tensor]) -> _Counted:
+    leaves = _tensors(x)
+    saved = _SavedStorages(parameters)
+    forward_ops, backward_ops = _OpCount(), _OpCount()
+    # Data-dependent indexing has no meta kernel unless told every element is selected.
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
+        with FlopCounterMode(display=False) as forward_count, forward_ops, \
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            y = layer(x)
+        outputs = [t for t in _tensors(y) if t.requires_grad]
+        with FlopCounterMode(display=False) as backward_count, backward_ops:
+            if outputs:
+                torch.autograd.backward(outputs, [grad_of(t) for t in outputs])
+    layer.zero_grad(set_to_none=True)
+    input_keys = [_storage_key(t) for t in leaves]
+    saved_inputs = [(frozenset(i for i, k in enumerate(input_keys) if k == key), size)
+                    for key, size in saved.sizes.items() if key in input_keys]
+    own = sum(size for key, size in saved.sizes.items() if key not in input_keys)
+    y = map_tensors(y, lambda t: t.detach())
+    saved_outputs = frozenset(i for i, t in enumerate(_tensors(y))
+                              if _storage_key(t) in saved.sizes)
+    values = {
+        "param_count": sum(p.numel() for p in layer.parameters()),
+        "param_bytes": float(sum(p.numel() * p.element_size() for p in layer.parameters())),
+        "saved_bytes": float(own),
+        "input_bytes": _nbytes(x),
+        "output_bytes": _nbytes(y),
+        "forward_flops": float(forward_count.get_total_flops()),
+        "backward_flops": float(backward_count.get_total_flops()),
+        "forward_ops": forward_ops.calls,
+        "backward_ops": backward_ops.calls,
+    }
+    return _Counted(values, saved_inputs, y, saved_outputs)
+
+
+def structural_key(layer: nn.Module) -> Hashable:
+    """What makes two layers cost the same on the same input: class, ``repr`` (sizes, strides,
+    dropout), parameter and buffer shapes and dtypes, training mode."""
+    return (type(layer).__qualname__, repr(layer), layer.training,
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                  for n, p in layer.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()))
+
+
+def _signature(x: Any) -> Hashable:
+    return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in _tensors(x))
+
+
 def layer_costs(
     module: nn.Sequential,
     sample: Any,
     *,
     batch_size: int | None = None,
     grad_of: Callable[[Tensor], Tensor] = torch.ones_like,
+    same_layer: Callable[[nn.Module], Hashable] | None = None,
 ) -> LayerCosts:
     """Count :class:`LayerCosts` of ``module`` on ``sample`` (a batch: tensor or tuple).
 
@@ -153,6 +213,9 @@ def layer_costs(
     counted on a ``meta`` copy, so the count never runs a kernel either way. ``batch_size``:
     the samples in ``sample`` (default: the first dimension of its first tensor). Each layer's
     backward gets a gradient shaped like its output, as a stage receives one.
+    ``same_layer``: a key (e.g. :func:`structural_key`) under which layers receiving inputs of
+    the same shapes are counted once, which makes a model of a thousand identical layers as
+    quick to count as one; a layer whose cost depends on anything else must not share a key.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential, got {type(module).__name__}")
@@ -167,39 +230,24 @@ def layer_costs(
     parameters = {_storage_key(p) for p in module.parameters()}
     costs = LayerCosts(batch_size=batch_size)
     x = map_tensors(sample, lambda t: t.to("meta"))
-    previous_saved: set[int] = set()
+    previous_saved: frozenset[int] = frozenset()  # input leaves the previous layer saved
+    counted: dict[Hashable, _Counted] = {}
     # Not named_children(): it skips a layer that appears twice.
     for name, layer in module._modules.items():
         assert layer is not None
         x = map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
-        inputs = {_storage_key(t): t.untyped_storage().nbytes() for t in _tensors(x)}
-        saved = _SavedStorages(parameters)
-        forward_ops, backward_ops = _OpCount(), _OpCount()
-        # Data-dependent indexing has no meta kernel unless told every element is selected.
-        with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
-            with FlopCounterMode(display=False) as forward_count, forward_ops, \
-                    torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                y = layer(x)
-            outputs = [t for t in _tensors(y) if t.requires_grad]
-            with FlopCounterMode(display=False) as backward_count, backward_ops:
-                if outputs:
-                    torch.autograd.backward(outputs, [grad_of(t) for t in outputs])
-        layer.zero_grad(set_to_none=True)
-        own = {k: v for k, v in saved.sizes.items() if k not in inputs}
-        reused = {k: v for k, v in saved.sizes.items() if k in inputs and k not in previous_saved}
+        key = None if same_layer is None else (same_layer(layer), _signature(x))
+        if key is not None and key in counted:
+            count = counted[key]
+        else:
+            count = _count_layer(layer, x, parameters, grad_of)
+            if key is not None:
+                counted[key] = count
         costs.names.append(name)
-        costs.param_count.append(sum(p.numel() for p in layer.parameters()))
-        costs.param_bytes.append(float(sum(p.numel() * p.element_size()
-                                           for p in layer.parameters())))
-        costs.saved_bytes.append(float(sum(own.values())))
-        costs.saved_input_bytes.append(float(sum(reused.values())))
-        costs.input_bytes.append(_nbytes(x))
-        costs.output_bytes.append(_nbytes(y))
-        costs.forward_flops.append(float(forward_count.get_total_flops()))
-        costs.backward_flops.append(float(backward_count.get_total_flops()))
-        costs.forward_ops.append(forward_ops.calls)
-        costs.backward_ops.append(backward_ops.calls)
-        y = map_tensors(y, lambda t: t.detach())
-        previous_saved = {_storage_key(t) for t in _tensors(y)} & set(saved.sizes)
-        x = y
+        for field_name, value in count.values.items():
+            getattr(costs, field_name).append(value)
+        costs.saved_input_bytes.append(float(sum(
+            size for leaves, size in count.saved_inputs if not leaves & previous_saved)))
+        previous_saved = count.saved_outputs
+        x = count.output
     return costs
