@@ -11,7 +11,8 @@ ARGS ?=
 .PHONY: install test test-fast lint smoke train-nmt eval-nmt translate train-amoebanet \
         eval-amoebanet classify \
         bench bench-overhead bench-pipeline bench-decoding reproduce-stability reproduce-depth-width \
-        reproduce-memory reproduce-throughput reproduce-app-pipelines demo-large-nmt reproduce-defaults clean
+        reproduce-memory reproduce-throughput reproduce-app-pipelines reproduce-paper-scale \
+        demo-large-nmt reproduce-defaults clean
 
 install: $(STAMP)
 
@@ -104,6 +105,12 @@ demo-large-nmt: install
 reproduce-throughput: install
 	$(PY) scripts/reproduce_throughput.py $(ARGS)
 	$(PY) scripts/plan_vs_measured.py
+
+# Tables 1 and 2 at the paper's scale, predicted from models counted on meta for the paper's
+# devices (TPU v2/v3 cores, P100, P40); nothing allocated at full size (minutes on this CPU;
+# docs/reproduction/paper_scale.json, docs/REPRODUCTION.md).
+reproduce-paper-scale: install
+	$(PY) scripts/reproduce_paper_scale.py $(ARGS)
 
 # The apps' own CPU defaults at K=2 against GPipe's bubble, cut by parameters and by time (~10 min).
 reproduce-app-pipelines: install

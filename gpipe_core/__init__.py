@@ -1,7 +1,9 @@
 """GPipe pipeline parallelism for PyTorch: micro-batches, re-materialization, schedules as data."""
 
 from .batchnorm import DeferredBatchNorm
+from .costs import LayerCosts, layer_costs
 from .cpu import bind_cpus, hold_freed_memory
+from .devices import DEVICES, OPTIMIZER_BYTES, Device, get_device
 from .distributed import DistributedGPipe
 from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, report_failure
@@ -9,7 +11,7 @@ from .gpipe import GPipe
 from .groups import group_timeout_s, init_process_groups
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
-from .plan import Plan, plan
+from .plan import NoPlanFits, Plan, plan, plan_largest
 from .schedule import (
     Action,
     Schedule,
@@ -47,7 +49,15 @@ __all__ = [
     "simulate",
     "Simulation",
     "plan",
+    "plan_largest",
     "Plan",
+    "NoPlanFits",
+    "layer_costs",
+    "LayerCosts",
+    "Device",
+    "DEVICES",
+    "OPTIMIZER_BYTES",
+    "get_device",
     "DeferredBatchNorm",
     "Balance",
     "balance_by_params",

@@ -132,6 +132,8 @@ def optimal_balance(costs: Sequence[float], partitions: int) -> Balance:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
+    if partitions * n * n > _DP_LIMIT:
+        return _bisected_balance(prefix, partitions)
     inf = float("inf")
     # best[k][i]: minimal max-cost of splitting the first i layers into k groups; cut[k][i] the
     # start of the last group in that optimum.
@@ -158,6 +160,52 @@ def optimal_balance(costs: Sequence[float], partitions: int) -> Balance:
     for size in sizes:
         stage_costs.append(prefix[start + size] - prefix[start])
         start += size
+    return Balance(sizes, stage_costs, unit="cost")
+
+
+# Above this many steps the dynamic programme gives way to bisection on the largest cost
+# (a 1665-layer model on 128 stages would take 3.5e8 steps).
+_DP_LIMIT = 4_000_000
+
+
+def _bisected_balance(prefix: list[float], partitions: int) -> Balance:
+    """The same minimal largest sum for long models: bisect on the bound, each bound checked
+    by a greedy left-to-right fill (O(n) per check); optimal up to float rounding."""
+    n = len(prefix) - 1
+
+    def groups(bound: float) -> list[int] | None:
+        sizes, start = [], 0
+        while start < n:
+            end = start + 1
+            if prefix[end] - prefix[start] > bound:
+                return None
+            while end < n and prefix[end + 1] - prefix[start] <= bound:
+                end += 1
+            sizes.append(end - start)
+            start = end
+            if len(sizes) > partitions:
+                return None
+        return sizes
+
+    low = max(prefix[i + 1] - prefix[i] for i in range(n)) * (1 - 1e-12)
+    high = prefix[n]
+    for _ in range(200):
+        middle = (low + high) / 2
+        if groups(middle) is None:
+            low = middle
+        else:
+            high = middle
+        if high - low <= 1e-12 * max(high, 1e-300):
+            break
+    sizes = groups(high)
+    assert sizes is not None
+    while len(sizes) < partitions:  # split the largest group: the maximum cannot grow
+        index = max((i for i, size in enumerate(sizes) if size > 1), key=lambda i: sizes[i])
+        sizes[index:index + 1] = [sizes[index] // 2, sizes[index] - sizes[index] // 2]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    stage_costs = [prefix[b] - prefix[a] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     return Balance(sizes, stage_costs, unit="cost")
 
 

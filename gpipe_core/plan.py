@@ -12,18 +12,41 @@ per device fits the budget. Per-micro-batch costs are modelled as the whole-batc
 by M plus a fixed per-action overhead, which is what small micro-batches cost on real hardware,
 unless ``microbatch_costs`` gives the costs measured at that M (what a profile of each M
 gives: small micro-batches run layers below their whole-batch efficiency).
+
+For a model that does not exist yet, give :func:`plan` ``costs`` counted on ``meta``
+(:func:`~gpipe_core.costs.layer_costs`) and a ``device``
+(:class:`~gpipe_core.devices.Device`) instead: each micro-batch's per-layer seconds then come
+from its FLOPs and operator calls on that device (below peak for tiny micro-batches), each
+boundary's transfer from its message bytes over the link, the memory budget from the device,
+and the parameter memory from ``optimizer`` (bytes per parameter: weights, gradients, state).
+:func:`plan_largest` searches a ladder of model sizes for the largest that fits for each K.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
+from .costs import LayerCosts
+from .devices import Device, bytes_per_parameter
 from .partition import optimal_balance
 from .schedule import SCHEDULE_NAMES, get_schedule
 from .simulate import simulate
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "plan", "plan_largest", "NoPlanFits"]
+
+Size = TypeVar("Size")
+CHECKPOINTS = ("never", "except_last", "always")
+
+
+class NoPlanFits(ValueError):
+    """No configuration fits the memory budget; ``smallest_peak`` says by how much."""
+
+    def __init__(self, message: str, smallest_peak: float, budget: float) -> None:
+        super().__init__(message)
+        self.smallest_peak = smallest_peak
+        self.budget = budget
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,10 @@ class Plan:
     peak_bytes: float  # the largest device's parameters + kept activations
     schedule: str = "gpipe"
     num_ranks: int = 0  # devices; 0: one per stage
+    # per device: parameter memory (weights, gradients, optimizer state) and the rest of its
+    # peak (activations kept for backward, recomputation)
+    param_bytes: list[float] = field(default_factory=list)
+    activation_bytes: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_ranks:
@@ -55,15 +82,18 @@ class Plan:
 
 
 def plan(
+    costs: LayerCosts | None = None,
     *,
-    forward: Sequence[float],
-    backward: Sequence[float],
-    activation_bytes: Sequence[float],
-    input_bytes: Sequence[float],
-    param_bytes: Sequence[float],
+    device: Device | None = None,
+    optimizer: str | float = "adam",
+    forward: Sequence[float] | None = None,
+    backward: Sequence[float] | None = None,
+    activation_bytes: Sequence[float] | None = None,
+    input_bytes: Sequence[float] | None = None,
+    param_bytes: Sequence[float] | None = None,
     batch_size: int,
-    max_stages: int,
-    memory_budget: float,
+    max_stages: int = 1,
+    memory_budget: float | None = None,
     schedule: str | Sequence[str] = "gpipe",
     virtual_stages: Sequence[int] = (2,),
     per_action_overhead: float = 0.0,
@@ -71,9 +101,17 @@ def plan(
     min_microbatch: int = 1,
     microbatch_costs: Mapping[int, tuple[Sequence[float], Sequence[float]]] | None = None,
     backward_weight: Sequence[float] | None = None,
+    stages: Sequence[int] | None = None,
+    microbatches: Sequence[int] | None = None,
+    checkpoints: Sequence[str] = CHECKPOINTS,
 ) -> list[Plan]:
-    """All feasible plans, fastest first; raises if none fits ``memory_budget`` bytes.
+    """All feasible plans, fastest first; raises :class:`NoPlanFits` if none fits.
 
+    Either measured costs (``forward``, ``backward``: seconds per layer on the whole batch;
+    ``activation_bytes``, ``input_bytes``, ``param_bytes`` per layer) and ``memory_budget``
+    bytes per device, or ``costs`` counted on ``meta`` and a ``device`` (``memory_budget``
+    defaults to the device's memory; ``optimizer``: a name of
+    :data:`~gpipe_core.devices.OPTIMIZER_BYTES` or bytes per parameter).
     ``microbatch_costs[M] = (forward, backward)``: per-layer seconds of one micro-batch when
     the batch is split in M, used for that M instead of the whole-batch cost / M + overhead.
     ``schedule``: any name :func:`~gpipe_core.schedule.get_schedule` knows, or several (the
@@ -82,7 +120,9 @@ def plan(
     with 2. For schedules
     that split the backward (``"zb_h1"``, ``"zb_h2"``, ``"zb_v"``), ``backward_weight`` gives
     each layer's part of ``backward`` spent on parameter gradients (W; the rest is I); without
-    it, half.
+    it, half. ``stages``: the device counts K to try (default 1 to ``max_stages``);
+    ``microbatches``: the M to try (default every divisor of the batch); ``checkpoints``: the
+    re-materialization modes to try.
     """
     if schedule == "all":
         names = [name for name in SCHEDULE_NAMES if name not in ("fill_drain", "one_f_one_b",
@@ -92,6 +132,46 @@ def plan(
     layouts = [(name, v) for name in names
                for v in (virtual_stages if name in ("interleaved_1f1b", "interleaved_zb") else
                          (2,) if name in ("zb_v", "dualpipe_v") else (1,))]
+    counts = list(stages) if stages is not None else list(range(1, max_stages + 1))
+    divisors = [m for m in range(1, batch_size // min_microbatch + 1) if batch_size % m == 0]
+    if microbatches is not None:
+        bad = [m for m in microbatches if m < 1 or batch_size % m]
+        if bad:
+            raise ValueError(f"microbatches {bad} do not divide batch_size={batch_size}; give "
+                             "divisors of the batch")
+        divisors = [m for m in divisors if m in microbatches]
+    unknown = [c for c in checkpoints if c not in CHECKPOINTS]
+    if unknown:
+        raise ValueError(f"checkpoints {unknown} unknown; choose from {CHECKPOINTS}")
+    stage_kept: Callable[[int, int], float] | None = None
+    boundary_bytes: Sequence[float] | None = None
+    if costs is not None:
+        if device is None:
+            raise ValueError("plan(costs) needs the device the costs run on: device=gp.DEVICES"
+                             "['h100_80gb'] or a gp.Device(...)")
+        whole = costs.scaled(batch_size)
+        forward = [device.compute_seconds(f, ops) for f, ops in
+                   zip(whole.forward_flops, whole.forward_ops, strict=True)]
+        backward = [device.compute_seconds(f, ops) for f, ops in
+                    zip(whole.backward_flops, whole.backward_ops, strict=True)]
+        microbatch_costs = {m: ([device.compute_seconds(f / m, ops) for f, ops in
+                                 zip(whole.forward_flops, whole.forward_ops, strict=True)],
+                                [device.compute_seconds(f / m, ops) for f, ops in
+                                 zip(whole.backward_flops, whole.backward_ops, strict=True)])
+                            for m in divisors}
+        per_parameter = bytes_per_parameter(optimizer)
+        param_bytes = [count * per_parameter for count in whole.param_count]
+        activation_bytes = [s + i for s, i in
+                            zip(whole.saved_bytes, whole.saved_input_bytes, strict=True)]
+        input_bytes = whole.input_bytes
+        stage_kept = whole.kept_bytes
+        boundary_bytes = whole.output_bytes
+        if memory_budget is None:
+            memory_budget = device.memory_bytes
+    if (forward is None or backward is None or activation_bytes is None or input_bytes is None
+            or param_bytes is None or memory_budget is None):
+        raise ValueError("give costs= and device=, or forward, backward, activation_bytes, "
+                         "input_bytes, param_bytes and memory_budget")
     n = len(forward)
     microbatch_costs = dict(microbatch_costs or {})
     for m, (f, b) in microbatch_costs.items():
@@ -103,24 +183,73 @@ def plan(
                          "for every layer (equal lengths)")
     if backward_weight is not None and len(backward_weight) != n:
         raise ValueError(f"backward_weight has {len(backward_weight)} values for {n} layers")
-    plans = []
-    for k in range(1, max_stages + 1):
+    plans: list[Plan] = []
+    smallest = float("inf")
+    for k in counts:
         for name, v in layouts:
             if k * v <= n:
-                plans += _plans_for(name, k, v, forward=forward, backward=backward,
-                                    activation_bytes=activation_bytes, input_bytes=input_bytes,
-                                    param_bytes=param_bytes, batch_size=batch_size,
-                                    memory_budget=memory_budget,
-                                    per_action_overhead=per_action_overhead, transfer=transfer,
-                                    min_microbatch=min_microbatch,
-                                    microbatch_costs=microbatch_costs,
-                                    backward_weight=backward_weight)
+                found, least = _plans_for(
+                    name, k, v, forward=forward, backward=backward,
+                    activation_bytes=activation_bytes, input_bytes=input_bytes,
+                    param_bytes=param_bytes, divisors=divisors, memory_budget=memory_budget,
+                    per_action_overhead=per_action_overhead, transfer=transfer,
+                    microbatch_costs=microbatch_costs, backward_weight=backward_weight,
+                    checkpoints=checkpoints, stage_kept=stage_kept,
+                    boundary_bytes=boundary_bytes, device=device)
+                plans += found
+                smallest = min(smallest, least)
     if not plans:
-        raise ValueError(
-            f"no plan fits {memory_budget / 2**30:.2f} GiB per device with up to {max_stages} "
-            "stages; allow more stages, a smaller batch, or a larger budget"
-        )
+        over = (f"the smallest configuration needs {smallest / 2**30:.2f} GiB, "
+                f"{(smallest - memory_budget) / 2**30:.2f} GiB ({smallest / memory_budget - 1:.0%})"
+                " over" if smallest < float("inf") else "no configuration was possible")
+        raise NoPlanFits(
+            f"no plan fits {memory_budget / 2**30:.2f} GiB per device with K in {counts}: "
+            f"{over}; allow more stages, a smaller batch, re-materialization or a larger budget",
+            smallest, memory_budget)
     return sorted(plans, key=lambda p: (p.step_time, p.peak_bytes))
+
+
+def plan_largest(
+    ladder: Sequence[Size],
+    costs_for: Callable[[Size], LayerCosts],
+    *,
+    stages: Sequence[int],
+    **plan_kwargs: object,
+) -> dict[int, tuple[int, Plan] | None]:
+    """For each K in ``stages``, the index of the largest ladder entry with a plan on exactly K
+    devices, and its fastest plan (``None``: not even the first entry fits).
+
+    ``costs_for(size)``: that model's :class:`~gpipe_core.costs.LayerCosts` (counted once per
+    size and reused). Assumes memory grows along the ladder (each entry grows the last), so
+    the search bisects: O(log len(ladder)) counts per K. ``plan_kwargs`` go to :func:`plan`.
+    """
+    counted: dict[int, LayerCosts] = {}
+
+    def best(index: int, k: int) -> Plan | str | None:
+        """The fastest plan; "short": fewer layers than K stages (try larger); None: too big."""
+        if index not in counted:
+            counted[index] = costs_for(ladder[index])
+        if len(counted[index]) < k:
+            return "short"
+        try:
+            return plan(counted[index], stages=[k], **plan_kwargs)[0]  # type: ignore[arg-type]
+        except NoPlanFits:
+            return None
+
+    result: dict[int, tuple[int, Plan] | None] = {}
+    for k in stages:
+        low, high = -1, len(ladder)  # ladder[low] fits (or low = -1), ladder[high] does not
+        found: Plan | None = None
+        while high - low > 1:
+            middle = (low + high) // 2
+            candidate = best(middle, k)
+            if candidate is None:
+                high = middle
+            else:
+                low = middle
+                found = candidate if isinstance(candidate, Plan) else None
+        result[k] = None if low < 0 or found is None else (low, found)
+    return result
 
 
 def _plans_for(
@@ -133,15 +262,19 @@ def _plans_for(
     activation_bytes: Sequence[float],
     input_bytes: Sequence[float],
     param_bytes: Sequence[float],
-    batch_size: int,
+    divisors: Sequence[int],
     memory_budget: float,
     per_action_overhead: float,
     transfer: float,
-    min_microbatch: int,
     microbatch_costs: Mapping[int, tuple[Sequence[float], Sequence[float]]],
     backward_weight: Sequence[float] | None,
-) -> list[Plan]:
-    """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices."""
+    checkpoints: Sequence[str],
+    stage_kept: Callable[[int, int], float] | None,
+    boundary_bytes: Sequence[float] | None,
+    device: Device | None,
+) -> tuple[list[Plan], float]:
+    """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
+    the smallest peak memory of any of its configurations (fitting or not)."""
     num_stages = k * v
     balance = list(optimal_balance([f + b for f, b in zip(forward, backward, strict=True)],
                                    num_stages))
@@ -152,9 +285,8 @@ def _plans_for(
         return float(sum(values[a:b]))
 
     plans = []
-    for m in range(1, batch_size // min_microbatch + 1):
-        if batch_size % m:
-            continue
+    smallest = float("inf")
+    for m in divisors:
         if m in microbatch_costs:
             f_m, b_m = microbatch_costs[m]
             fwd = [per_stage(f_m, a, b) for a, b in stages]
@@ -168,24 +300,31 @@ def _plans_for(
                     if per_stage(backward, a, b) > 0 else 0.5)
             for cost, (a, b) in zip(bwd, stages, strict=True)
         ]
-        acts = [per_stage(activation_bytes, a, b) / m for a, b in stages]
+        acts = [(stage_kept(a, b) if stage_kept is not None
+                 else per_stage(activation_bytes, a, b)) / m for a, b in stages]
         inputs = [input_bytes[a] / m for a, _ in stages]
         params = [per_stage(param_bytes, a, b) for a, b in stages]
+        links: float | list[float] = transfer
+        if boundary_bytes is not None and device is not None:
+            links = [transfer + device.transfer_seconds(boundary_bytes[b - 1] / m)
+                     for _, b in stages[:-1]]
         try:
             actions = get_schedule(name, num_stages, m, num_ranks=k)
         except ValueError:  # this M does not suit the schedule (DualPipeV: M < 2K)
             continue
         on_rank = [actions.stages_on(r) for r in range(k)]
-        for checkpoint in ("never", "except_last", "always"):
-            sim = simulate(actions, fwd, bwd, backward_weight=wgt, transfer=transfer,
+        for checkpoint in checkpoints:
+            sim = simulate(actions, fwd, bwd, backward_weight=wgt, transfer=links,
                            checkpoint=checkpoint, activation_bytes=acts, input_bytes=inputs)
             # Re-materializing needs one micro-batch's full activations during backward
             # (a split backward's I keeps them until W; the simulation counts that).
             rebuilt = checkpoint != "never" and not actions.splits_backward
-            peak = max(sum(params[s] for s in mine) + sim.peak_bytes[r]
-                       + (max(acts[s] for s in mine) if rebuilt else 0.0)
-                       for r, mine in enumerate(on_rank))
+            held = [sum(params[s] for s in mine) for mine in on_rank]
+            kept = [sim.peak_bytes[r] + (max(acts[s] for s in mine) if rebuilt else 0.0)
+                    for r, mine in enumerate(on_rank)]
+            peak = max(h + a for h, a in zip(held, kept, strict=True))
+            smallest = min(smallest, peak)
             if peak <= memory_budget:
                 plans.append(Plan(num_stages, m, checkpoint, balance, sim.step_time,
-                                  sim.bubble_fraction, peak, name, k))
-    return plans
+                                  sim.bubble_fraction, peak, name, k, held, kept))
+    return plans, smallest

@@ -1,0 +1,48 @@
+"""Plan AmoebaNet(L, D) training for a cluster: ``python -m apps.amoebanet.plan --config
+apps/amoebanet/configs/d_72_512.yaml --device tpu_v2 --devices 8``.
+
+Prints the fastest plan (K, M, schedule, re-materialization, balance, step time, images per
+second, memory per device) for the config's model, counted on ``meta``; ``--largest`` grows L
+(normal cells) at the config's D and prints the largest that fits for each K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from apps.amoebanet.config import build_model, load_amoebanet_config
+from apps.planning import AppModel, optimizer_name, parser, run, split_overrides
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options, overrides = split_overrides(argv)
+    args = parser("amoebanet").parse_args(options)
+    path = args.config
+    if not Path(path).exists() and (CONFIG_DIR / f"{path}.yaml").is_file():
+        path = str(CONFIG_DIR / f"{path}.yaml")
+    config = load_amoebanet_config([f"--config={path}", *overrides])
+
+    def build(depth: int) -> torch.nn.Sequential:
+        return build_model(dataclasses.replace(config, num_normal_cells=depth), device="meta")
+
+    side = config.image_size
+    model = AppModel(
+        build=build, depth=config.num_normal_cells, depth_name="L",
+        # two images: training BatchNorm needs more than one value per channel (1x1 maps)
+        sample=torch.empty(2, config.in_chans, side, side, device="meta"),
+        batch_size=config.batch_size, unit="images", tokens_per_sample=1,
+        optimizer=optimizer_name(config.optimizer, config.momentum),
+        describe=f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}) at "
+                 f"{side}x{side}")
+    return run(model, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

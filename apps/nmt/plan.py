@@ -1,0 +1,41 @@
+"""Plan T(L, H, A) training for a cluster: ``python -m apps.nmt.plan --config t64_16384_32``.
+
+Prints the fastest plan (K, M, schedule, re-materialization, balance, step time, tokens per
+second, memory per device) for the config's model, counted on ``meta``; ``--largest`` grows
+L (encoder and decoder layers each) and prints the largest that fits for each K. A batch is
+``max_tokens`` split in sentence pairs of ``max_len`` tokens a side (``--batch`` overrides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from apps.nmt.config import build_model, load_nmt_config
+from apps.planning import AppModel, optimizer_name, parser, run, split_overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options, overrides = split_overrides(argv)
+    args = parser("nmt").parse_args(options)
+    config = load_nmt_config([f"--config={args.config}", *overrides])
+    seq = config.max_len
+
+    def build(depth: int) -> torch.nn.Sequential:
+        return build_model(dataclasses.replace(config, num_layers=depth), device="meta")
+
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    model = AppModel(
+        build=build, depth=config.num_layers, depth_name="L", sample=(ids, ids),
+        batch_size=max(1, config.max_tokens // (2 * seq)), unit="sentence pairs",
+        tokens_per_sample=2 * seq, optimizer=optimizer_name(config.optimizer),
+        describe=f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d_model "
+                 f"{config.d_model}, vocabulary {config.vocab_size}, {seq} tokens a side")
+    return run(model, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

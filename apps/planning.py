@@ -1,0 +1,164 @@
+"""Plan a training run for a cluster from an app config, counted on ``meta`` (no memory).
+
+Shared by ``python -m apps.nmt.plan`` and ``python -m apps.amoebanet.plan``: the app's model
+is built on ``meta`` at full size, its per-layer costs counted (:func:`gpipe_core.layer_costs`)
+for the config's batch, and :func:`gpipe_core.plan` picks K, M, the schedule, the
+re-materialization and the balance that fit the device and run fastest. ``--largest`` grows
+the model along the app's ladder (more layers at the config's width) and prints, for each K,
+the largest that fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import gpipe_core as gp
+from gpipe_core.costs import structural_key
+
+GiB = 2**30
+
+
+@dataclass
+class AppModel:
+    """What the planner needs from an app: a model of a given depth and one sample."""
+
+    build: Callable[[int], nn.Sequential]  # depth -> model on meta
+    depth: int  # the config's depth (layers, or normal cells)
+    depth_name: str
+    sample: Any  # one sample's inputs, on meta
+    batch_size: int  # samples per mini-batch
+    unit: str  # what a sample is ("sentence pairs", "images")
+    tokens_per_sample: int  # for tokens per second (1 for images)
+    optimizer: str  # a name of gp.OPTIMIZER_BYTES
+    describe: str
+
+
+def parser(app: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m apps.{app}.plan", description=(
+        "Print the fastest pipeline plan that fits a cluster for an app config; with "
+        "--largest, the largest model of the config's family that fits for each K. Config "
+        "overrides go after --, e.g. -- --num_layers=48"))
+    p.add_argument("--config", required=True, help="configs/<name>.yaml name or a path")
+    p.add_argument("--device", default="h100_80gb",
+                   help=f"a preset ({', '.join(gp.DEVICES)})")
+    p.add_argument("--devices", type=int, default=8, help="accelerators available (max K)")
+    p.add_argument("--memory-gb", type=float, help="override the device's memory (GB)")
+    p.add_argument("--peak-tflops", type=float, help="override the device's peak TFLOP/s")
+    p.add_argument("--achievable", type=float, help="override the achievable fraction of peak")
+    p.add_argument("--link-gbps", type=float, help="override the link (GB/s, one direction)")
+    p.add_argument("--batch", type=int, help="samples per mini-batch (default: the config's)")
+    p.add_argument("--optimizer", help="optimizer state: a name "
+                   f"({', '.join(gp.OPTIMIZER_BYTES)}) or bytes per parameter")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="activation dtype the step runs in")
+    p.add_argument("--schedule", default="all", help="a schedule name, or 'all' to compare")
+    p.add_argument("--largest", action="store_true", help="the largest model that fits per K")
+    p.add_argument("--top", type=int, default=3, help="plans printed")
+    return p
+
+
+def device_from(args: argparse.Namespace) -> gp.Device:
+    device = gp.get_device(args.device)
+    changes: dict[str, float] = {}
+    if args.memory_gb is not None:
+        changes["memory_bytes"] = args.memory_gb * 1e9
+    if args.peak_tflops is not None:
+        changes["peak_flops"] = args.peak_tflops * 1e12
+    if args.achievable is not None:
+        changes["achievable"] = args.achievable
+    if args.link_gbps is not None:
+        changes["link_bandwidth"] = args.link_gbps * 1e9
+    return gp.Device(**{**vars(device), **changes})
+
+
+def _counted(model: AppModel, depth: int, dtype: torch.dtype) -> gp.LayerCosts:
+    module = model.build(depth).to(dtype)
+    sample = model.sample if dtype == torch.float32 else tuple(
+        t.to(dtype) if t.is_floating_point() else t for t in model.sample) \
+        if isinstance(model.sample, tuple) else model.sample.to(dtype)
+    return gp.layer_costs(module, sample, same_layer=structural_key)
+
+
+def run(model: AppModel, args: argparse.Namespace) -> int:
+    device = device_from(args)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    optimizer: str | float = args.optimizer or model.optimizer
+    try:
+        optimizer = float(optimizer)
+    except ValueError:
+        pass
+    batch = args.batch or model.batch_size
+    per_parameter = gp.devices.bytes_per_parameter(optimizer)
+    schedule = args.schedule
+    counts = [k for k in range(1, args.devices + 1)]
+    costs = _counted(model, model.depth, dtype)
+    print(f"{model.describe}: {costs.num_parameters / 1e9:.3f}B parameters, "
+          f"{len(costs)} layers; batch {batch} {model.unit}; {device.name} "
+          f"({device.memory_bytes / GiB:.1f} GiB, {device.peak_flops / 1e12:.0f} TFLOP/s x "
+          f"{device.achievable:.2f}), up to {args.devices} devices; optimizer {optimizer} "
+          f"({per_parameter:g} bytes/parameter)")
+    try:
+        plans = gp.plan(costs, device=device, optimizer=optimizer, batch_size=batch,
+                        stages=[k for k in counts if k <= len(costs)], schedule=schedule)
+    except gp.NoPlanFits as error:
+        print(f"nothing fits: {error}")
+        return 1
+    for rank, best in enumerate(plans[: args.top], start=1):
+        per_second = batch / best.step_time
+        tokens = (f", {per_second * model.tokens_per_sample:,.0f} tokens/s"
+                  if model.tokens_per_sample > 1 else "")
+        memory = ", ".join(f"{(p + a) / GiB:.1f}" for p, a in
+                           zip(best.param_bytes, best.activation_bytes, strict=True))
+        print(f"{rank}. {best.schedule} K={best.num_ranks} M={best.num_microbatches} "
+              f"checkpoint={best.checkpoint} balance={best.balance}\n"
+              f"   {best.step_time:.3f} s/step, {per_second:,.1f} {model.unit}/s{tokens}, "
+              f"bubble {best.bubble_fraction:.0%}; memory per device [{memory}] GiB of "
+              f"{device.memory_bytes / GiB:.1f}")
+    if args.largest:
+        # x1.25 steps from an eighth to 32 times the config's depth
+        ladder = sorted({max(1, round(model.depth * 1.25**i)) for i in range(-9, 16)})
+        found = gp.plan_largest(ladder, lambda d: _counted(model, d, dtype),
+                                stages=[k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+                                        if k <= args.devices],
+                                device=device, optimizer=optimizer, batch_size=batch,
+                                schedule="gpipe")
+        print(f"largest {model.depth_name} that fits (GPipe schedule, ladder x1.25):")
+        for k, result in found.items():
+            if result is None:
+                print(f"  K={k}: none of the ladder fits")
+                continue
+            index, best = result
+            size = _counted(model, ladder[index], dtype).num_parameters
+            edge = " (the ladder's end: may fit more)" if index == len(ladder) - 1 else ""
+            print(f"  K={k}: {model.depth_name}={ladder[index]}, {size / 1e9:.2f}B parameters, "
+                  f"M={best.num_microbatches} checkpoint={best.checkpoint}, "
+                  f"{best.step_time:.3f} s/step, peak {best.peak_bytes / GiB:.1f} GiB{edge}")
+    return 0
+
+
+def optimizer_name(name: str, momentum: float = 0.0) -> str:
+    """An app's optimizer name as a key of :data:`gpipe_core.OPTIMIZER_BYTES`."""
+    table = {"adam": "adam", "adamw": "adam", "lamb": "adam", "adafactor": "adafactor",
+             "sgd": "momentum" if momentum else "sgd", "momentum": "momentum",
+             "rmsprop": "rmsprop_momentum" if momentum else "rmsprop",
+             "rmsproptf": "rmsprop_momentum" if momentum else "rmsprop"}
+    if name not in table:
+        raise ValueError(f"optimizer {name!r} has no known state size; pass --optimizer with "
+                         f"one of {', '.join(gp.OPTIMIZER_BYTES)} or a number of bytes")
+    return table[name]
+
+
+def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """Planner options, then ``--key=value`` config overrides after a ``--``."""
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []

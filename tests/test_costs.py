@@ -1,0 +1,176 @@
+"""Costs counted on meta match a real CPU run byte for byte and hand-counted FLOPs; the
+planner built on them refuses a budget nothing fits, saying by how much."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import gpipe_core as gp
+from gpipe_core.partition import _bisected_balance, optimal_balance
+from scripts.reproduction import LiveTensorBytes, layer_memory
+
+
+class SquareOfViews(nn.Module):
+    """Saves two views of one storage for backward (``a * b`` keeps both operands)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * 2.0
+        return (h.view(-1) * h.view(-1)).view_as(x)
+
+
+class EncoderBlock(nn.Module):
+    """The NMT app's encoder layer on a plain tensor: attention then feed-forward."""
+
+    def __init__(self, d_model: int, ffn_dim: int, num_heads: int) -> None:
+        super().__init__()
+        from apps.nmt.model import EncoderLayer
+
+        self.layer = EncoderLayer(d_model, ffn_dim, num_heads=num_heads,
+                                  head_dim=d_model // num_heads, dropout=0.0,
+                                  attention_dropout=0.0, ffn_init_scale=1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pad = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+        return self.layer((x, x, pad, pad))[0]
+
+
+def small_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.LayerNorm(12),
+                         SquareOfViews(), nn.Tanh(), nn.Linear(12, 4))
+
+
+def test_saved_bytes_match_a_real_cpu_run_exactly() -> None:
+    model, x = small_model(), torch.randn(5, 8)
+    costs = gp.layer_costs(model, x)
+    assert costs.batch_size == 5 and costs.param_count == [
+        sum(p.numel() for p in layer.parameters()) for layer in model]
+    # Layer by layer against the storages autograd saves on real tensors (the first layer's
+    # input is the model's, which the CPU count leaves out, as a stage's received input).
+    measured = layer_memory(model, x, None, None).saved
+    counted = [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes, strict=True)]
+    assert counted[1:] == measured[1:]
+    assert counted[0] == costs.input_bytes[0] == 5 * 8 * 4  # Linear saves its input
+    assert costs.saved_bytes[4] == 5 * 12 * 4  # two views of one storage, counted once
+    # The whole forward: what stays alive holding the output is what the model keeps for
+    # backward (bar its input) plus the output, which the last Linear does not save.
+    with LiveTensorBytes([x, list(model.parameters())]) as live:
+        y = model(x)
+    kept = costs.kept_bytes(0, len(model)) - costs.input_bytes[0]
+    assert live.current == kept + costs.output_bytes[-1] == kept + y.numel() * 4
+
+
+def test_costs_scale_with_the_batch_and_a_meta_model_allocates_nothing() -> None:
+    with torch.device("meta"):
+        model = small_model()
+    one = gp.layer_costs(model, torch.empty(1, 8, device="meta"))
+    five = gp.layer_costs(model, torch.empty(5, 8, device="meta"))
+    scaled = one.scaled(5)
+    assert scaled.saved_bytes == five.saved_bytes and scaled.forward_flops == five.forward_flops
+    assert scaled.param_bytes == five.param_bytes and scaled.forward_ops == five.forward_ops
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_linear_flops_are_the_hand_count() -> None:
+    batch, fan_in, fan_out = 3, 7, 5
+    costs = gp.layer_costs(nn.Sequential(nn.Linear(fan_in, fan_out)), torch.randn(batch, fan_in))
+    assert costs.forward_flops == [2 * batch * fan_in * fan_out]
+    # input gradient and weight gradient: two products of the forward's size
+    assert costs.backward_flops == [4 * batch * fan_in * fan_out]
+
+
+def test_attention_layer_flops_are_the_hand_count() -> None:
+    batch, length, d_model, ffn_dim, heads = 2, 6, 16, 32, 4
+    costs = gp.layer_costs(nn.Sequential(EncoderBlock(d_model, ffn_dim, heads)),
+                           torch.randn(batch, length, d_model))
+    tokens = batch * length
+    projections = 4 * 2 * tokens * d_model * d_model  # query, key, value, out
+    scores_and_context = 2 * 2 * batch * length * length * d_model  # QK^T and PV, all heads
+    feed_forward = 2 * 2 * tokens * d_model * ffn_dim
+    assert costs.forward_flops == [projections + scores_and_context + feed_forward]
+    assert costs.backward_flops == [2 * costs.forward_flops[0]]
+
+
+def test_device_runs_small_work_below_peak() -> None:
+    device = gp.DEVICES["h100_80gb"]
+    assert device.utilisation(1e14, 10) == pytest.approx(device.achievable, rel=1e-3)
+    assert device.utilisation(1e6, 10) < 0.01
+    assert device.transfer_seconds(0) == 0.0
+    with pytest.raises(ValueError, match="unknown device 'tpu_v9'; presets: tpu_v2"):
+        gp.get_device("tpu_v9")
+
+
+def test_plan_from_costs_refuses_an_impossible_budget_saying_by_how_much() -> None:
+    model, x = small_model(), torch.randn(4, 8)
+    costs = gp.layer_costs(model, x)
+    params = costs.num_parameters * 16  # Adam: 16 bytes per parameter
+    tiny = gp.DEVICES["a100_80gb"].with_memory(params / 4)
+    with pytest.raises(gp.NoPlanFits, match=r"needs .* GiB, .* over; allow more stages") as error:
+        gp.plan(costs, device=tiny, optimizer="adam", batch_size=8, max_stages=2)
+    assert error.value.smallest_peak > tiny.memory_bytes
+    roomy = gp.plan(costs, device=gp.DEVICES["a100_80gb"], optimizer="adam", batch_size=8,
+                    max_stages=2)
+    best = roomy[0]
+    assert best.peak_bytes == max(p + a for p, a in zip(best.param_bytes, best.activation_bytes,
+                                                        strict=True))
+    assert sum(best.param_bytes) == pytest.approx(params * 1.0)
+    assert best.step_time > 0
+
+
+def test_plan_largest_finds_the_last_fitting_size() -> None:
+    ladder = [1, 2, 4, 8, 16]
+
+    def costs_for(width: int) -> gp.LayerCosts:
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(8 * width, 8 * width) for _ in range(4)])
+        return gp.layer_costs(model, torch.empty(2, 8 * width, device="meta"))
+
+    per_parameter = 12.0
+    device = gp.DEVICES["p100"].with_memory(per_parameter * 4 * (64 * 64 + 64) * 1.3)
+    found = gp.plan_largest(ladder, costs_for, stages=[1, 2, 4], device=device,
+                            optimizer=per_parameter, batch_size=2)
+    assert found[1] is not None and ladder[found[1][0]] == 8  # 64 wide fits, 128 not
+    assert found[4] is not None and ladder[found[4][0]] == 16
+    assert found[4][1].num_ranks == 4
+    # Models with fewer layers than K are too small, not too big: the search goes up.
+    deep = gp.plan_largest(ladder, costs_for, stages=[8], device=device.with_memory(1e12),
+                           optimizer=per_parameter, batch_size=2)
+    assert deep[8] is None  # every entry has 4 layers: none can be cut in 8
+
+
+def test_bisected_balance_matches_the_dynamic_programme() -> None:
+    rng = random.Random(0)
+    for n, k in [(40, 5), (25, 25), (60, 7), (9, 1)]:
+        costs = [rng.random() * 10 for _ in range(n)]
+        prefix = [0.0]
+        for c in costs:
+            prefix.append(prefix[-1] + c)
+        fast = _bisected_balance(prefix, k)
+        assert len(fast) == k and sum(fast) == n and min(fast) >= 1
+        assert fast.max_cost == pytest.approx(optimal_balance(costs, k).max_cost, rel=1e-9)
+
+
+def test_identical_layers_counted_once_give_the_full_count() -> None:
+    from apps.amoebanet.model import build_amoebanet
+    from apps.nmt.model import transformer
+
+    def amoeba() -> nn.Sequential:
+        return build_amoebanet("meta", genotype="D", num_normal_cells=9, filters=8,
+                               num_classes=10, in_chans=3, stem_stride=1)
+
+    def nmt() -> nn.Sequential:
+        with torch.device("meta"):
+            return transformer(num_layers=4, d_model=32, ffn_dim=64, num_heads=2, head_dim=16,
+                               vocab_size=100)
+
+    ids = torch.zeros(2, 7, dtype=torch.long, device="meta")
+    for build, sample in ((amoeba, torch.empty(2, 3, 16, 16, device="meta")),
+                          (nmt, (ids, ids))):
+        # fresh models: the NMT layers record activation statistics, which adds operators
+        # after a layer's first call
+        full = gp.layer_costs(build(), sample)
+        reused = gp.layer_costs(build(), sample, same_layer=gp.costs.structural_key)
+        assert reused == full

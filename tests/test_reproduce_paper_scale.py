@@ -1,0 +1,34 @@
+"""The paper-scale reproduction end to end on tiny ladders: every table cell predicted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.reproduce_paper_scale import main
+
+
+@pytest.mark.slow
+def test_paper_scale_script_end_to_end_on_a_tiny_ladder(tmp_path: Path) -> None:
+    out = tmp_path / "paper_scale.json"
+    report = main(["--tiny", "--out", str(out)])
+    assert json.loads(out.read_text())["goals"] == report["goals"]
+    assert {"commit", "torch", "utc", "load_average_1_5_15_min"} <= set(report["provenance"])
+    rows = report["table1"]
+    assert len(rows) == 4 and all(r["predicted_size"] is not None for r in rows)
+    by_cell = {(r["family"], r["column"]): r for r in rows}
+    # More devices never fit a smaller model.
+    assert (by_cell[("amoebanet", "pipeline-2")]["predicted_index"]
+            >= by_cell[("amoebanet", "naive-1")]["predicted_index"])
+    for row in rows:
+        memory = row["device_memory_gib"] * 2**30 / (2**30 if row["family"] == "transformer"
+                                                      else 1e9)
+        per_device = row["predicted_param_memory"] + row["predicted_activation_memory"]
+        assert 0 < row["predicted_param_memory"] and 0 < row["predicted_activation_memory"]
+        assert per_device <= memory * int(row["column"].split("-")[1])
+    table2 = report["table2"]
+    assert len(table2["comparisons"]) == 8 + 8 + 2 + 2 + 1
+    assert all(c["predicted"] > 0 for c in table2["comparisons"])
+    assert report["goals"]["table1_cells"] == 4
