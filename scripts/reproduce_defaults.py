@@ -107,10 +107,13 @@ def main() -> None:
         if args.condition == "slowed":  # both at once
             begin = time.monotonic()
             procs = {app: run_app(app, out_dirs[app], logs[app]) for app in args.apps}
-            for app, proc in procs.items():
-                if proc.wait() != 0:
-                    raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
-                walls[app] = (time.monotonic() - begin) / 60
+            while any(walls[app] is None for app in procs):  # each one's own end
+                for app, proc in procs.items():
+                    if walls[app] is None and proc.poll() is not None:
+                        if proc.returncode != 0:
+                            raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
+                        walls[app] = (time.monotonic() - begin) / 60
+                time.sleep(1.0)
         else:  # one after the other, each alone on the machine
             for app in args.apps:
                 begin = time.monotonic()
