@@ -190,6 +190,15 @@ class RunLength:
     def decided(self) -> bool:
         return self.choice is not None
 
+    @property
+    def recorded_steps(self) -> int:
+        """What a checkpoint records as the run's length: a measured or given length (a resumed
+        run keeps it); 0 for none yet, or for the config's cap, which a resumed run may change
+        (``--max_steps`` / ``--epochs``)."""
+        if self.choice is None or self.choice.chosen_by not in ("measured", "train_steps"):
+            return 0
+        return self.choice.train_steps
+
     def tick(self, step: int) -> None:
         """At the top of every loop iteration, with the steps done so far."""
         if self.timer is not None:

@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "images_seen": images_seen,
             "train_seconds": train_seconds,
             "pipe_steps": pipe.steps_done,
-            "train_steps": length.steps if length.decided else 0,
+            "train_steps": length.recorded_steps,
             "balance": balance,
             "world_size": world_size,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),

@@ -347,7 +347,7 @@ class EncoderLayer(_RecordsActivation):
         ffn_init_scale: float,
         norm: str = "pre",
         qk_norm: bool = False,
-        record_attention: bool = True,
+        record_attention: bool = False,
     ) -> None:
         super().__init__()
         _check_norm(norm)
@@ -457,7 +457,7 @@ class DecoderLayer(_RecordsActivation):
         normalize_memory: bool,
         norm: str = "pre",
         qk_norm: bool = False,
-        record_attention: bool = True,
+        record_attention: bool = False,
     ) -> None:
         super().__init__()
         _check_norm(norm)

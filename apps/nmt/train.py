@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             "tokens": tokens_seen,
             "train_seconds": train_seconds,
             "pipe_steps": pipe.steps_done,
-            "train_steps": length.steps if length.decided else 0,
+            "train_steps": length.recorded_steps,
             "world_size": world_size,
             "balance": balance,
         }

@@ -281,7 +281,7 @@ def test_unknown_config_key_stops_before_any_process_group() -> None:
 
 
 def test_learning_rate_warms_up_then_decays() -> None:
-    config = replace(NMTConfig(), lr=1e-3, warmup_steps=100)
+    config = replace(NMTConfig(), lr=1e-3, warmup_steps=100, lr_schedule="inverse_sqrt")
     assert train.learning_rate(config, 0) == pytest.approx(1e-5)
     assert train.learning_rate(config, 49) == pytest.approx(5e-4)
     assert train.learning_rate(config, 99) == pytest.approx(1e-3)
