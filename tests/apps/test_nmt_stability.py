@@ -25,6 +25,7 @@ from apps.nmt.model import (
     token_cross_entropy_sum,
 )
 from apps.nmt.monitor import attention_index, combine, split_stats
+from tests.apps.test_nmt_model import random_batch
 
 PAD = 0
 
@@ -38,17 +39,6 @@ def _seed_and_threads() -> None:
 def tiny_config(**changes: object) -> NMTConfig:
     """The tiny config with the attention-logit record on (off by default: it costs a product)."""
     return replace(load_nmt_config(["--config=tiny"]), **{"record_attention": True, **changes})
-
-
-def random_batch(batch: int = 6, src_len: int = 9, tgt_len: int = 7,
-                 vocab: int = 128) -> tuple[Tensor, Tensor]:
-    src = torch.randint(4, vocab, (batch, src_len))
-    tgt = torch.randint(4, vocab, (batch, tgt_len))
-    src[0, 5:] = PAD
-    src[3, 2:] = PAD
-    tgt[1, 3:] = PAD
-    tgt[4, 6:] = PAD
-    return src, tgt
 
 
 # --- config ------------------------------------------------------------------------------------
