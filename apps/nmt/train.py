@@ -233,14 +233,12 @@ def final_reserve_s(config: NMTConfig, seconds_per_step: float) -> float:
 
 
 def budget_reached(config: NMTConfig, step: int, tokens_seen: int,
-                   length: RunLength | None = None) -> str | None:
-    """Which training budget ends the run now: its length in steps (``length``, default
-    ``max_steps``) or ``max_train_tokens`` (the hard stop ``max_minutes`` is checked by the
-    loop)."""
-    if length is not None and step >= length.steps:
+                   length: RunLength) -> str | None:
+    """Which training budget ends the run now: its length in steps (``length``: given, fitted
+    to the time, or ``max_steps``) or ``max_train_tokens`` (the hard stop ``max_minutes`` is
+    checked by the loop)."""
+    if step >= length.steps:
         return length.stop_reason
-    if length is None and step >= config.max_steps:
-        return "max_steps"
     if config.max_train_tokens and tokens_seen >= config.max_train_tokens:
         return "max_train_tokens"
     return None
