@@ -27,7 +27,7 @@ class NMTConfig:
     """Everything a run of ``apps/nmt`` needs; the defaults are the CPU training default."""
 
     # --- model: T(L, H, A) ---
-    num_layers: int = 6  # L: encoder layers, and as many decoder layers (128 layers = L=64)
+    num_layers: int = 3  # L: encoder layers, and as many decoder layers (128 layers = L=64)
     ffn_dim: int = 512  # H: feed-forward width
     num_heads: int = 2  # A: attention heads; attention width is num_heads * head_dim
     head_dim: int = 64  # channels per head (64 in the paper, so more heads = wider attention)
@@ -72,7 +72,7 @@ class NMTConfig:
     # resource buckets of the BLEU report: high from the first count of training pairs up, low
     # below the second, medium between; null = terciles of the trained languages (tiny corpora)
     bucket_thresholds: list[int] | None = field(default_factory=lambda: [10_000, 1_000])
-    max_tokens: int = 1024  # padded tokens (source + target) per mini-batch
+    max_tokens: int = 2048  # padded tokens (source + target) per mini-batch
     max_len: int = 48  # drop training pairs with a side longer than this (tokens)
 
     # --- pipeline ---

@@ -111,10 +111,12 @@ def test_every_shipped_config_loads_and_builds_on_meta(path: Path) -> None:
     assert len(model) == config.num_model_layers
 
 
-def test_cpu_default_is_deep_narrow_and_small() -> None:
+def test_cpu_default_is_a_small_two_stage_pipeline() -> None:
+    # small enough to beat copy-the-source in 28 minutes on a machine half as fast as ours
+    # (docs/RESULTS.md), and still a pipeline: 3+3 layers with embedding and projection on 2 stages
     config = load_nmt_config(["--config=cpu_default"])
-    assert 2 * config.num_layers >= 12 and config.num_stages == 2
-    assert count_parameters(build_model(config, device="meta")) < 6e6
+    assert config.num_model_layers >= 8 and config.num_stages == 2
+    assert count_parameters(build_model(config, device="meta")) < 3e6
 
 
 # --- the layer contract the pipeline relies on ---------------------------------------------
