@@ -86,6 +86,22 @@ class BudgetChoice:
     reserve_s: float = 0.0  # kept for the final checkpoint and evaluation
     fitted_steps: int = 0  # what the time allowed, before the cap
     cap: int = 0  # the most steps the config allows (epochs or max_steps)
+    # the steps at which the config's quality goal was measured to hold (docs/RESULTS.md); 0 =
+    # the config states none. A machine that affords fewer is told so, with the budget it needs
+    goal_steps: int = 0
+
+    @property
+    def below_goal(self) -> bool:
+        """Whether the run trains fewer steps than its config's quality goal was measured at."""
+        return 0 < self.train_steps < self.goal_steps
+
+    @property
+    def minutes_for_goal(self) -> float:
+        """The ``budget_minutes`` that would have given ``goal_steps`` at the measured speed."""
+        if not (self.goal_steps and self.seconds_per_step):
+            return 0.0
+        after = max(0, self.goal_steps - self.timed_steps[1]) * self.seconds_per_step * SAFETY
+        return (self.elapsed_s + self.reserve_s + after) / 60.0
 
     def explain(self, unit: str = "") -> str:
         """One line for the progress bar and the log."""
@@ -99,12 +115,26 @@ class BudgetChoice:
             f"end within budget_minutes={self.budget_minutes:g} ({self.elapsed_s / 60:.1f} min "
             f"spent so far, {self.reserve_s / 60:.1f} min kept for the final checkpoint and "
             f"evaluation){capped}; the learning-rate schedule spans exactly these steps. "
-            f"Rerun this run exactly with --train_steps={self.train_steps}"
+            f"Rerun this run exactly with --train_steps={self.train_steps}{self._goal_note()}"
+        )
+
+    def _goal_note(self) -> str:
+        if not self.below_goal:
+            return ""
+        return (
+            f". NOTE: this machine affords {self.train_steps} steps, fewer than the "
+            f"{self.goal_steps} at which this config's quality goal was measured to hold "
+            f"(docs/RESULTS.md), so expect lower scores than the README's; at this speed "
+            f"--budget_minutes={math.ceil(self.minutes_for_goal)} would give {self.goal_steps} "
+            "steps"
         )
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
         record["timed_steps"] = list(self.timed_steps)
+        record["below_goal"] = self.below_goal
+        if self.below_goal:
+            record["minutes_for_goal"] = round(self.minutes_for_goal, 1)
         return record
 
 
@@ -117,11 +147,13 @@ def choose_train_steps(
     cap: int,
     at_least: int,
     timed_steps: tuple[int, int],
+    goal_steps: int = 0,
 ) -> BudgetChoice:
     """The most steps that end, with ``reserve_s`` after them, within ``budget_minutes``.
 
     ``elapsed_s``: the run's wall time so far (``timed_steps[1]`` steps done); ``cap``: the
-    config's most steps; ``at_least``: the steps already done (a budget never undoes them).
+    config's most steps; ``at_least``: the steps already done (a budget never undoes them);
+    ``goal_steps``: the steps the config's quality goal was measured at (only reported).
     """
     if not seconds_per_step > 0:
         raise ValueError(f"seconds_per_step={seconds_per_step!r} must be positive")
@@ -131,7 +163,7 @@ def choose_train_steps(
     return BudgetChoice(
         train_steps=steps, chosen_by="measured", budget_minutes=budget_minutes,
         seconds_per_step=seconds_per_step, timed_steps=timed_steps, elapsed_s=elapsed_s,
-        reserve_s=reserve_s, fitted_steps=fitted, cap=cap,
+        reserve_s=reserve_s, fitted_steps=fitted, cap=cap, goal_steps=goal_steps,
     )
 
 
@@ -141,12 +173,15 @@ class RunLength:
     ``max_steps``). Every rank holds one; :meth:`decide` is a collective at ``decide_at``.
 
     ``step``: the steps already done (a resumed run); ``saved_steps``: the length a resumed
-    run's checkpoint recorded (0 if it was saved before the decision).
+    run's checkpoint recorded (0 if it was saved before the decision); ``goal_steps``: the steps
+    at which the config's quality goal was measured to hold (0: none), reported beside a
+    measured length that falls short of it.
     """
 
     def __init__(self, *, train_steps: int, budget_minutes: float, cap: int, cap_name: str,
-                 warmup_steps: float, step: int = 0, saved_steps: int = 0) -> None:
-        self.cap, self.budget_minutes = cap, budget_minutes
+                 warmup_steps: float, step: int = 0, saved_steps: int = 0,
+                 goal_steps: int = 0) -> None:
+        self.cap, self.budget_minutes, self.goal_steps = cap, budget_minutes, goal_steps
         self.timer: StepTimer | None = None
         self.choice: BudgetChoice | None = None
         if saved_steps and train_steps and saved_steps != train_steps:
@@ -223,12 +258,13 @@ class RunLength:
             choice = choose_train_steps(
                 budget_minutes=self.budget_minutes, seconds_per_step=per_step,
                 elapsed_s=elapsed_s, reserve_s=reserve_s(per_step), cap=self.cap, at_least=step,
-                timed_steps=(self.timer.skip, self.timer.decide_at),
+                timed_steps=(self.timer.skip, self.timer.decide_at), goal_steps=self.goal_steps,
             )
         shared = torch.tensor([choice.train_steps if choice else 0], dtype=torch.int64,
                               device=device)
         with gp.collectives(f"the time budget at step {step}"):
             dist.broadcast(shared, src=0)
         self.choice = choice or BudgetChoice(train_steps=int(shared), chosen_by="measured",
-                                             budget_minutes=self.budget_minutes, cap=self.cap)
+                                             budget_minutes=self.budget_minutes, cap=self.cap,
+                                             goal_steps=self.goal_steps)
         return self.choice

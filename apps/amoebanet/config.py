@@ -86,6 +86,9 @@ class AmoebaNetConfig:
     # the run's length in optimizer steps, and so the lr schedule's: 0 = fitted to budget_minutes
     # from the speed of the first steps (apps/budget.py), or epochs x steps per epoch without one
     train_steps: int = 0
+    # the steps at which this config's quality goal (README) was measured to hold; a machine
+    # that affords fewer is told so when the budget is fixed (apps/budget.py); 0 = no goal stated
+    goal_steps: int = 0
     budget_minutes: float = 0.0  # the whole run's time (data, training, final evaluation) that train_steps is fitted to; 0 = none
     max_loss_factor: float = 1000.0  # stop as diverged when the loss exceeds this many times ln(num_classes), a uniform guess's loss (0 = never)
     max_minutes: float = 0.0  # a hard stop (0 = none): cuts the lr schedule short, and says so; budget_minutes is the way to fit a time
@@ -126,7 +129,8 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
             raise ConfigError(f"{key}={getattr(config, key)} must be positive")
     for key in ("num_workers", "eval_every_epochs", "ckpt_every", "max_minutes",
                 "max_loss_factor", "color_jitter", "mixup", "cutmix", "weight_decay",
-                "warmup_epochs", "warmup_lr", "min_lr", "train_steps", "budget_minutes"):
+                "warmup_epochs", "warmup_lr", "min_lr", "train_steps", "budget_minutes",
+                "goal_steps"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
     for key in ("lr", "opt_eps", "decay_epochs", "decay_rate"):

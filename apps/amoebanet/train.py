@@ -103,6 +103,7 @@ RESUMABLE_CHANGES = frozenset({
     "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
     "ckpt_every", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
     "budget_minutes", "train_steps",  # the length the checkpoint records is the one resumed
+    "goal_steps",
 })
 
 
@@ -297,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     length = RunLength(train_steps=config.train_steps, budget_minutes=config.budget_minutes,
                        cap=config.epochs * updates_per_epoch, cap_name=f"epochs={config.epochs}",
                        warmup_steps=config.warmup_epochs * updates_per_epoch,
-                       step=state.get("step", 0), saved_steps=state.get("train_steps", 0))
+                       step=state.get("step", 0), saved_steps=state.get("train_steps", 0),
+                       goal_steps=config.goal_steps)
     scheduler, _ = create_scheduler_v2(
         optimizer, **scheduler_kwargs(config, updates_per_epoch, length.steps))
     autocast: AbstractContextManager[Any] = (

@@ -77,7 +77,7 @@ from apps.nmt.pipelined_search import pipeline_search
 # optimisation, seed) must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
     "train_steps", "budget_minutes",  # the length the checkpoint records is the one resumed
-    "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
+    "goal_steps", "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
     "ckpt_every", "wandb_project", "wandb_mode", "beam_size", "length_penalty", "max_decode_len",
     "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
     "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         train_steps=config.train_steps, budget_minutes=config.budget_minutes,
         cap=config.max_steps, cap_name="max_steps", step=step,
         warmup_steps=config.warmup_steps if config.lr_schedule == "linear" else math.inf,
-        saved_steps=state.get("train_steps", 0))
+        saved_steps=state.get("train_steps", 0), goal_steps=config.goal_steps)
     with gp.collectives("start of training"):
         dist.barrier()
     if master:

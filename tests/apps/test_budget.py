@@ -5,6 +5,7 @@ from the length it chose."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,24 @@ def test_the_cap_and_the_steps_done_bound_the_choice() -> None:
     late = budget.choose_train_steps(budget_minutes=1, seconds_per_step=1.0, elapsed_s=90,
                                      reserve_s=30, cap=500, at_least=35, timed_steps=(5, 35))
     assert late.train_steps == 35  # out of time already: stop, never undo steps done
+
+
+def test_a_machine_too_slow_for_the_goal_is_told_the_budget_it_needs() -> None:
+    kwargs = dict(budget_minutes=10, elapsed_s=60, reserve_s=120, cap=10_000, at_least=35,
+                  timed_steps=(5, 35), goal_steps=1000)
+    fast = budget.choose_train_steps(seconds_per_step=0.3, **kwargs)  # 1,330 steps fit
+    assert not fast.below_goal and "NOTE" not in fast.explain()
+    assert fast.to_json()["below_goal"] is False
+    slow = budget.choose_train_steps(seconds_per_step=0.6, **kwargs)  # 683 steps fit
+    assert slow.below_goal and slow.train_steps == 35 + int(420 / (0.6 * budget.SAFETY))
+    # the budget that gives 1000 steps at 0.6 s: 60 + 120 + 965 x 0.6 x SAFETY seconds
+    needed = (60 + 120 + 965 * 0.6 * budget.SAFETY) / 60
+    assert slow.minutes_for_goal == pytest.approx(needed)
+    assert f"--budget_minutes={math.ceil(needed)} would give 1000 steps" in slow.explain()
+    assert slow.to_json()["minutes_for_goal"] == round(needed, 1)
+    # no goal stated: nothing to say
+    none = budget.choose_train_steps(seconds_per_step=0.6, **{**kwargs, "goal_steps": 0})
+    assert not none.below_goal and "NOTE" not in none.explain()
 
 
 def test_the_decision_falls_inside_warmup() -> None:
