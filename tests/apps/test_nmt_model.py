@@ -465,7 +465,7 @@ def test_command_line_lists_and_bools() -> None:
         (["--logits_abs_max=0"], "logits_abs_max=0.0 must be > 0"),
         (["--dropout=1.5"], r"dropout=1.5 must be in \[0, 1\)"),
         (["--schedule=zigzag"], "schedule='zigzag': unknown schedule 'zigzag'"),
-        (["--balance=3,3"], "balance=.*14 layers"),
+        (["--balance=3,3"], "balance=.*8 layers"),
         (["--tie_output=true"], "tie_output=true"),
         (["--eos_id=0"], "special token ids must differ"),
         (["--max_len=500"], "max_positions"),
