@@ -442,9 +442,9 @@ def test_unknown_key_is_an_error(tmp_path: Path) -> None:
 
 def test_yaml_then_command_line_override(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
-    path.write_text("num_layers: 3\nd_model: 64\nlanguages: [de, fr]\n")
+    path.write_text("num_layers: 5\nd_model: 64\nlanguages: [de, fr]\n")
     config = load_nmt_config([f"--config={path}", "--d_model=96"])
-    assert config.num_layers == 3  # from YAML
+    assert config.num_layers == 5  # from YAML (the default is 3)
     assert config.d_model == 96  # the command line wins over YAML
     assert config.languages == ["de", "fr"]
     assert load_nmt_config([f"--config={path}"]).d_model == 64
@@ -452,10 +452,10 @@ def test_yaml_then_command_line_override(tmp_path: Path) -> None:
 
 def test_command_line_lists_and_bools() -> None:
     config = load_nmt_config(
-        ["--languages=de,fr", "--scaled_init=false", "--num_stages=3", "--balance=4,5,5"]
+        ["--languages=de,fr", "--scaled_init=false", "--num_stages=3", "--balance=2,3,3"]
     )
     assert config.languages == ["de", "fr"] and config.scaled_init is False
-    assert config.balance == [4, 5, 5]
+    assert config.balance == [2, 3, 3]
 
 
 @pytest.mark.parametrize(
