@@ -218,8 +218,11 @@ def nmt_balance(config: NMTConfig, device: torch.device) -> list[int]:
 
 # The final evaluation (beam-4 dev BLEU and dev loss over eval_max_sentences per language) and
 # checkpoint in units of training steps: on the CPU default (14 languages, 300 sentences each)
-# they took ~60 s where a step took 0.305 s, ~200 steps; both scale with the machine's speed.
-FINAL_EVAL_STEPS = 200
+# they took 25 s where a step took 0.64-0.84 s (3+3 layers, 2,048 tokens: 30-40 steps) and 45 s
+# where it took 1.48 s (30 steps; defaults_*_small.json); both scale with the machine's speed.
+# (Until 2026-12: 200 steps, measured on the 6+6 default, whose steps were shorter against its
+# decoding.)
+FINAL_EVAL_STEPS = 50
 FINAL_EVAL_SENTENCES = 14 * 300
 
 
