@@ -424,13 +424,14 @@ class DistributedGPipe(StepCounter, nn.Module):
 
     # -- messages outside steps -------------------------------------------------------------
 
-    def channel(self, what: str = "messages outside steps") -> Channel:
+    def channel(self, what: str = "messages outside steps", *,
+                timeout_s: float | None = None) -> Channel:
         """A point-to-point :class:`~gpipe_core.Channel` between this rank's stage and the
-        others, with the pipeline's backend policy, timeout and failure naming (``what`` names
-        the work in errors); for work between steps such as pipelined decoding. One stage per
-        rank (with virtual stages, build a ``Channel`` per stage)."""
+        others, with the pipeline's backend policy, timeout (unless ``timeout_s``) and failure
+        naming (``what`` names the work in errors); for work between steps such as pipelined
+        decoding. One stage per rank."""
         return Channel(self.stage_index, self.stage_ranks, policy=self._policy,
-                       timeout_s=self.timeout_s, what=what)
+                       timeout_s=self.timeout_s if timeout_s is None else timeout_s, what=what)
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -550,8 +551,8 @@ class DistributedGPipe(StepCounter, nn.Module):
         if layout is not None and sum(layout.balance) != len(module):
             raise ValueError(
                 f"checkpoint {directory} holds a model of {sum(layout.balance)} layers "
-                f"(balance {list(layout.balance)}), but module has {len(module)}; build the module "
-                "with the configuration the checkpoint was trained with"
+                f"(balance {list(layout.balance)}), but module has {len(module)}; build the "
+                "module with the configuration the checkpoint was trained with"
             )
         if balance is None:
             balance = layout.merged_balance(num_stages) if layout is not None else None
