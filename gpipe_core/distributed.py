@@ -30,6 +30,7 @@ point-to-point messages, timeout and failure naming (:class:`~gpipe_core.Channel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, peer_failure, report_failure
 from .gradients import average_gradients, clip_grad_norm
 from .groups import default_device, group_timeout_s
-from .layout import PipelineLayout, read_layout
+from .layout import PipelineLayout, read_layout, stage_split
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import Balance, split_module, verify_module
@@ -546,21 +547,10 @@ class DistributedGPipe(StepCounter, nn.Module):
         directory = Path(directory)
         layout = read_layout(directory)  # FileNotFoundError without an index.json
         num_ranks = dist.get_world_size(group)
-        if num_stages is None:
-            num_stages = num_ranks * (layout.stages_per_rank if layout is not None else 1)
-        if layout is not None and sum(layout.balance) != len(module):
-            raise ValueError(
-                f"checkpoint {directory} holds a model of {sum(layout.balance)} layers "
-                f"(balance {list(layout.balance)}), but module has {len(module)}; build the "
-                "module with the configuration the checkpoint was trained with"
-            )
-        if balance is None:
-            balance = layout.merged_balance(num_stages) if layout is not None else None
-        if balance is None and resplit is not None:
-            balance = resplit(module, num_stages)
-        if balance is None:
-            raise ValueError(_no_split_message(directory, layout, num_stages, num_ranks,
-                                               len(module)))
+        balance = stage_split(
+            directory, layout, num_layers=len(module), num_ranks=num_ranks,
+            num_stages=num_stages, balance=balance,
+            resplit=None if resplit is None else functools.partial(resplit, module))
         if schedule is None:
             schedule = layout.schedule if layout is not None else "gpipe"
         if schedule is None:
@@ -593,21 +583,6 @@ def _require_distributed() -> None:
             "torch.distributed is not initialised; launch with torchrun and call "
             "gp.init_process_groups(num_stages) (or dist.init_process_group) first"
         )
-
-
-def _no_split_message(directory: Path, layout: PipelineLayout | None, num_stages: int,
-                      num_ranks: int, num_layers: int) -> str:
-    fix = (f"pass balance= with {num_stages} entries that sum to {num_layers} (or "
-           f"resplit=gp.balance_by_params to split the layers anew)")
-    if layout is None:
-        return (f"checkpoint {directory} was written before index.json recorded the pipeline's "
-                f"stage split; {fix}: the split it was trained with, e.g. from its run.json, "
-                "lets each rank read only its own shard")
-    return (f"checkpoint {directory} records {layout.num_stages} stages on {layout.num_ranks} "
-            f"ranks (balance {list(layout.balance)}, schedule {layout.schedule!r}); this "
-            f"pipeline of {num_ranks} ranks needs {num_stages} stages, and {layout.num_stages} "
-            f"stages cannot be joined into {num_stages}; {fix}, or launch "
-            f"{layout.num_ranks} ranks")
 
 
 def _no_loss_fn(outputs: Any, targets: Any) -> Tensor:

@@ -15,13 +15,14 @@ before layouts were recorded has none (``read_layout`` returns None).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .storage import INDEX, CheckpointCorruptError, read_index
 
-__all__ = ["PipelineLayout", "read_layout"]
+__all__ = ["PipelineLayout", "read_layout", "stage_split"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,50 @@ def read_layout(directory: str | Path) -> PipelineLayout | None:
             f"checkpoint index {Path(directory) / INDEX} has a damaged pipeline record "
             f"({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def stage_split(
+    directory: str | Path,
+    layout: PipelineLayout | None,
+    *,
+    num_layers: int,
+    num_ranks: int,
+    num_stages: int | None = None,
+    balance: Sequence[int] | None = None,
+    resplit: Callable[[int], Sequence[int]] | None = None,
+) -> list[int]:
+    """The stage split of a pipeline of ``num_ranks`` built from the checkpoint ``directory``
+    of ``layout`` (None: written before layouts were recorded), ``num_layers`` layers.
+
+    ``balance`` when given; else the recorded split as ``num_stages`` stages (default: the
+    recorded stages per rank times ``num_ranks``), joined if need be
+    (:meth:`PipelineLayout.merged_balance`); else ``resplit(num_stages)``; else ValueError
+    naming the values and the fix. ValueError too when the checkpoint's model has another
+    number of layers.
+    """
+    if layout is not None and sum(layout.balance) != num_layers:
+        raise ValueError(
+            f"checkpoint {directory} holds a model of {sum(layout.balance)} layers "
+            f"(balance {list(layout.balance)}), but module has {num_layers}; build the "
+            "module with the configuration the checkpoint was trained with"
+        )
+    if num_stages is None:
+        num_stages = num_ranks * (layout.stages_per_rank if layout is not None else 1)
+    if balance is None and layout is not None:
+        balance = layout.merged_balance(num_stages)
+    if balance is None and resplit is not None:
+        balance = resplit(num_stages)
+    if balance is not None:
+        return list(balance)
+    fix = (f"pass balance= with {num_stages} entries that sum to {num_layers} (or "
+           "resplit=gp.balance_by_params to split the layers anew)")
+    if layout is None:
+        raise ValueError(
+            f"checkpoint {directory} was written before index.json recorded the pipeline's "
+            f"stage split; {fix}: the split it was trained with, e.g. from its run.json, lets "
+            "each rank read only its own shard")
+    raise ValueError(
+        f"checkpoint {directory} records {layout.num_stages} stages on {layout.num_ranks} ranks "
+        f"(balance {list(layout.balance)}, schedule {layout.schedule!r}); this pipeline of "
+        f"{num_ranks} ranks needs {num_stages} stages, and {layout.num_stages} stages cannot be "
+        f"joined into {num_stages}; {fix}, or launch {layout.num_ranks} ranks")
