@@ -50,7 +50,6 @@ import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -485,28 +484,14 @@ def pipelined_beam_search(
 # A checkpoint as a pipeline under torchrun
 
 
-def saved_balance(checkpoint: Path, num_stages: int) -> list[int] | None:
-    """The balance the checkpoint was trained with, if it had ``num_stages`` stages (its shards
-    are then one per stage, and each rank reads only its own)."""
-    try:
-        state = torch.load(checkpoint / "train-state-rank000.pt", map_location="cpu",
-                           weights_only=False, mmap=True)  # the balance, not the optimizer
-        balance = [int(n) for n in state.get("balance") or []]
-    except Exception:  # noqa: BLE001 - no usable train state: split by parameters
-        return None
-    return balance if len(balance) == num_stages else None
-
-
-def _no_loss(outputs: Tensor, targets: Tensor) -> Tensor:
-    raise TypeError("decoding runs no training step")
-
-
 def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
                   num_stages: int | None = None) -> tuple[gp.DistributedGPipe, Run]:
     """Under torchrun: process groups and this rank's stage of the checkpoint's model, one
-    pipeline of ``num_stages`` (default: the world size). Built on the ``meta`` device; only
-    this stage's weights are loaded: its own shard when the checkpoint's balance has
-    ``num_stages`` stages, else the layers are split by parameters and read from every shard.
+    pipeline of ``num_stages`` (default: the world size), one stage per rank, built on the
+    ``meta`` device by ``DistributedGPipe.from_checkpoint``: the stage split the checkpoint
+    records (its stages joined when ``num_stages`` divides their number; each rank then reads
+    only the shards holding its layers), else, for another number of stages or a checkpoint
+    written before the split was recorded, the layers split by parameters.
     """
     from apps.common import setup_run
     from apps.nmt.config import build_model
@@ -514,11 +499,10 @@ def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
     config = loaded.config
     num_stages = num_stages or int(os.environ["WORLD_SIZE"])
     run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
-    model = build_model(config, device="meta")
-    balance = saved_balance(loaded.path, num_stages) or gp.balance_by_params(model, num_stages)
-    pipe = gp.DistributedGPipe(model, balance, chunks=1, loss_fn=_no_loss, device=run.device,
-                               group=run.pipeline_group, seed=config.seed)
-    pipe.load_checkpoint(loaded.path)
+    pipe = gp.DistributedGPipe.from_checkpoint(
+        loaded.path, build_model(config, device="meta"), num_stages=num_stages,
+        resplit=gp.balance_by_params, schedule="gpipe", chunks=1, device=run.device,
+        group=run.pipeline_group, seed=config.seed)
     return pipe, run
 
 
