@@ -12,7 +12,7 @@ import pytest
 
 from scripts.reproduce_throughput import CONFIGS, fit_transfer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fit_transfer_recovers_latency_and_bandwidth() -> None:
