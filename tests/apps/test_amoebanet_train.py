@@ -20,8 +20,6 @@ from apps.amoebanet.data import (
     DatasetNotFoundError,
     Sample,
     encode_png,
-    write_dataset_json,
-    write_split,
 )
 from apps.amoebanet.model import build_amoebanet
 from apps.common import CheckpointError
@@ -47,20 +45,6 @@ def synthetic_samples(split: str, count: int, seed: int) -> Iterator[Sample]:
         else:
             pixels[5:11, 5:11] += 150
         yield Sample(f"{split}_{index:04d}", encode_png(pixels), "png", label)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test's images as shards with dataset.json, written with the data module's writer."""
-    out = tmp_path_factory.mktemp("shards")
-    splits = {
-        "train": write_split(synthetic_samples("train", TRAIN_IMAGES, 0), out, "train",
-                             num_classes=len(CLASSES), max_per_shard=16),
-        "test": write_split(synthetic_samples("test", TEST_IMAGES, 1), out, "test",
-                            num_classes=len(CLASSES), max_per_shard=12),
-    }
-    write_dataset_json(out, name="synthetic", classes=CLASSES, image_mode="L", splits=splits)
-    return out
 
 
 def tiny_args(shards: Path, out_dir: Path, **changes: Any) -> list[str]:

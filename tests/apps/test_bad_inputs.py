@@ -35,9 +35,8 @@ from apps.nmt import translate
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import load_tokenizer
 from scripts import eval_bleu, eval_top1
-from tests.apps.test_amoebanet_train import fake_checkpoint, shards, tiny_args  # noqa: F401
+from tests.apps.test_amoebanet_train import fake_checkpoint, tiny_args
 from tests.apps.test_failures import finish, launch, logged_steps, long_run, wait_for
-from tests.apps.test_nmt_train import corpus  # noqa: F401
 from tests.apps.test_nmt_train import tiny_args as nmt_args
 from tests.test_storage import write_run_checkpoint
 
@@ -87,7 +86,7 @@ def test_a_bad_latest_falls_back_to_the_newest_intact_step_folder(
 
 
 def test_eval_top1_scores_the_newest_step_folder_past_a_non_utf8_latest(
-    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     checkpoint = fake_checkpoint(tmp_path / "run" / "step-0000003", shards)
     (tmp_path / "run" / "latest").write_bytes(b"\xff\xfe")  # raw UnicodeDecodeError before
@@ -280,7 +279,7 @@ def test_a_second_process_cannot_lock_an_out_dir_in_use(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_an_out_dir_that_is_a_file_stops_every_rank_with_one_line(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     file = tmp_path / "file"
     file.write_text("x")
@@ -301,7 +300,7 @@ def test_an_out_dir_that_is_a_file_stops_every_rank_with_one_line(
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_second_run_on_the_same_out_dir_is_refused_naming_the_first(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     out_dir = tmp_path / "run"
     first = launch(long_run(shards, out_dir), tmp_path / "first.txt")
@@ -351,7 +350,7 @@ def test_a_write_that_fails_leaves_the_previous_file_and_names_the_path(tmp_path
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     out_dir = tmp_path / "run"
     args = tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2, timeout_s=20)
@@ -389,7 +388,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_resume_survives_a_garbage_latest_and_a_torn_log(shards: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_resume_survives_a_garbage_latest_and_a_torn_log(shards: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     args = tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2)
     log = tmp_path / "first.txt"
@@ -426,7 +425,7 @@ def png_header_only(path: Path, width: int, height: int) -> None:
 
 
 def test_classify_refuses_a_huge_image_in_one_line_and_allows_it_on_request(
-    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     checkpoint = fake_checkpoint(tmp_path / "ckpt", shards)
     bomb = tmp_path / "bomb.png"
@@ -448,7 +447,7 @@ def test_classify_refuses_a_huge_image_in_one_line_and_allows_it_on_request(
     assert Image.MAX_IMAGE_PIXELS == 89_478_485  # PIL's global left as it was
 
 
-def fake_nmt_checkpoint(directory: Path, corpus: Path, languages: str) -> Path:  # noqa: F811
+def fake_nmt_checkpoint(directory: Path, corpus: Path, languages: str) -> Path:
     """An untrained NMT checkpoint as train.py writes it, on ``corpus``'s tokenizer."""
     tokenizer = load_tokenizer(corpus)
     args = nmt_args(corpus, directory, languages=languages, vocab_size=tokenizer.vocab_size)
@@ -461,7 +460,7 @@ def fake_nmt_checkpoint(directory: Path, corpus: Path, languages: str) -> Path: 
 
 
 def test_translate_warns_about_a_language_the_model_never_trained_on(
-    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tokenizer = load_tokenizer(corpus)
     trained, untrained = tokenizer.languages[0], tokenizer.languages[1]
