@@ -30,7 +30,7 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not distributed" tests
 
-# The library alone (gpipe_core): no corpus, no app, no script, one process; under a minute.
+# The library alone (gpipe_core): no corpus, no app, no script, one process (tests/*.py).
 test-unit: install
 	$(PY) -m pytest -q -m "not slow and not distributed" tests \
 		--ignore=tests/apps --ignore=tests/scripts --ignore=tests/distributed
