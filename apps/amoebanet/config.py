@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from apps.amoebanet.model import build_amoebanet, check_image_size
-from apps.common import check_pipeline_options
 from apps.config import ConfigError, load_config
+from apps.harness.pipeline import check_pipeline_options
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # `make train-amoebanet` with no arguments uses this one (CPU, Fashion-MNIST, 2 stages).

@@ -74,29 +74,27 @@ from apps.amoebanet.data import (
 )
 from apps.amoebanet.evaluate import TRAIN_COMMAND, evaluate_pipeline, write_report
 from apps.budget import RunLength
-from apps.common import (
-    Interrupt,
-    RunLogger,
-    check_loss,
-    check_out_dir,
+from apps.config import ConfigError, load_config, parse_overrides, save_config
+from apps.harness.checkpoints import (
     check_resumable,
     checkpoint_dir,
-    choose_balance,
     load_train_state,
-    lock_out_dir,
-    on_rank0,
     refuse_existing_run,
     resume_checkpoint,
-    run_main,
-    setup_run,
     write_checkpoint,
 )
-from apps.config import ConfigError, load_config, parse_overrides, save_config
+from apps.harness.entry import run_main
+from apps.harness.guards import Interrupt, check_loss
+from apps.harness.out_dir import check_out_dir, lock_out_dir
+from apps.harness.pipeline import choose_balance
+from apps.harness.rank0 import on_rank0
+from apps.harness.run import setup_run
+from apps.harness.run_log import RunLogger
 
 # Models up to this size are balanced by the measured time of each layer on rank 0 (a full
 # copy is materialized for it); larger ones by parameter count, so no rank holds the whole model.
 PROFILE_MAX_PARAMETERS = 50_000_000
-# Config keys a resumed run may change (apps.common.check_resumable): they touch neither the
+# Config keys a resumed run may change (apps.harness.checkpoints.check_resumable): they touch neither the
 # model, its partitioning nor the training stream; every other key must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
@@ -195,7 +193,7 @@ def train_batches(
 
 
 def amoebanet_balance(config: AmoebaNetConfig, device: torch.device) -> list[int]:
-    """``config.balance``, else by measured time (see :func:`apps.common.choose_balance`)."""
+    """``config.balance``, else by measured time (see :func:`apps.harness.pipeline.choose_balance`)."""
     if config.balance is not None:
         return list(config.balance)
     micro_batch = max(1, config.batch_size // config.chunks)

@@ -63,7 +63,7 @@ from apps.nmt.search import Hypothesis, Search, new_search, split_groups
 from gpipe_core.failure import PipelineFailure, peer_failure, report_failure
 
 if TYPE_CHECKING:
-    from apps.common import Run
+    from apps.harness.run import Run
     from apps.nmt.config import NMTConfig
     from apps.nmt.evaluate import LoadedCheckpoint
 
@@ -544,7 +544,7 @@ def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
     this stage's weights are loaded: its own shard when the checkpoint's balance has
     ``num_stages`` stages, else the layers are split by parameters and read from every shard.
     """
-    from apps.common import setup_run
+    from apps.harness.run import setup_run
     from apps.nmt.config import build_model
 
     config = loaded.config

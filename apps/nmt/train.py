@@ -40,24 +40,22 @@ from torch import Tensor
 
 import gpipe_core as gp
 from apps.budget import RunLength
-from apps.common import (
-    Interrupt,
-    RunLogger,
-    check_loss,
-    check_out_dir,
+from apps.config import ConfigError, save_config
+from apps.harness.checkpoints import (
     check_resumable,
     checkpoint_dir,
-    choose_balance,
     load_train_state,
-    lock_out_dir,
-    on_rank0,
     refuse_existing_run,
     resume_checkpoint,
-    run_main,
-    setup_run,
     write_checkpoint,
 )
-from apps.config import ConfigError, save_config
+from apps.harness.entry import run_main
+from apps.harness.guards import Interrupt, check_loss
+from apps.harness.out_dir import check_out_dir, lock_out_dir
+from apps.harness.pipeline import choose_balance
+from apps.harness.rank0 import on_rank0
+from apps.harness.run import setup_run
+from apps.harness.run_log import RunLogger
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import Batch, CorpusError, TrainBatches, load_manifest, load_tokenizer
 from apps.nmt.evaluate import (
@@ -71,7 +69,7 @@ from apps.nmt.model import activation_stats, token_cross_entropy_sum
 from apps.nmt.monitor import gather_stability
 from apps.nmt.pipelined_search import pipeline_search
 
-# Config keys a resumed run may change (apps.common.check_resumable): budgets, logging,
+# Config keys a resumed run may change (apps.harness.checkpoints.check_resumable): budgets, logging,
 # evaluation, runtime, and the schedule and re-materialization mode (the library gives the same
 # step for any of them); every other key (model, tokens, data stream, partitioning,
 # optimisation, seed) must match the checkpoint's.
@@ -204,7 +202,7 @@ BALANCE_SAMPLE_LENGTH = 20  # tokens per sentence of the timing sample: UI strin
 
 def nmt_balance(config: NMTConfig, device: torch.device) -> list[int]:
     """Layers per stage by the measured time of one micro-batch through each layer (see
-    :func:`apps.common.choose_balance`): by parameters the embedding (many parameters, little
+    :func:`apps.harness.pipeline.choose_balance`): by parameters the embedding (many parameters, little
     compute) and the output projection (few layers' parameters, a vocabulary-wide matmul per
     token) land on the wrong sides of the cut."""
     length = min(BALANCE_SAMPLE_LENGTH, config.max_len)

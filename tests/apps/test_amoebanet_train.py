@@ -24,8 +24,8 @@ from apps.amoebanet.data import (
     write_split,
 )
 from apps.amoebanet.model import build_amoebanet
-from apps.common import CheckpointError
 from apps.config import ConfigError, save_config
+from apps.harness.checkpoints import CheckpointError
 from scripts import eval_top1
 from tests.distributed import launch
 from tests.distributed.launch import spawn
