@@ -277,7 +277,7 @@ def demonstrate(settings: dict[str, Any], *, budget_mb: float, run_dir: Path,
     run(python_command("--measure-training", str(run_dir / "memory"), *args, torchrun=True),
         log, timeout_s=timeout_s, mmap_threshold=mmap_threshold)
     trained = time.monotonic()
-    from apps.common import resolve_checkpoint  # the one reader of `latest`
+    from apps.harness.checkpoints import resolve_checkpoint  # the one reader of `latest`
 
     checkpoint = resolve_checkpoint(settings["out_dir"], train_command="this demo's training")
     for what in ("load", "train-step"):

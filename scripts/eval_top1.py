@@ -57,8 +57,8 @@ from apps.amoebanet.evaluate import (  # noqa: E402
     load_model,
     write_report,
 )
-from apps.common import CheckpointError, require_app, resolve_checkpoint  # noqa: E402
 from apps.config import ConfigError  # noqa: E402
+from apps.harness.checkpoints import CheckpointError, require_app, resolve_checkpoint  # noqa: E402
 
 
 def load_checkpoint_config(checkpoint: Path, overrides: Sequence[str] = ()) -> AmoebaNetConfig:
@@ -112,7 +112,7 @@ def evaluate_pipelined(
 
     from apps.amoebanet.config import build_model
     from apps.amoebanet.evaluate import evaluate_pipeline
-    from apps.common import end_run, setup_run
+    from apps.harness.run import end_run, setup_run
 
     checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
     require_app(checkpoint, "amoebanet")

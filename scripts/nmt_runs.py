@@ -203,7 +203,7 @@ def run_pending(names: Sequence[str], folder: Path, work: Any, *, jobs: int) -> 
 
 
 def stopped_as_diverged(run: Run) -> bool:
-    """Whether the trainer stopped the run on its divergence rule (apps.common.check_loss)."""
+    """Whether the trainer stopped the run on its divergence rule (apps.harness.guards.check_loss)."""
     log_path = run.out_dir.with_name(run.out_dir.name + ".out")
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     return run.returncode != 0 and ("DivergenceError" in text or "the run diverged" in text

@@ -62,7 +62,7 @@ from gpipe_core.channel import Posted
 from gpipe_core.failure import PipelineFailure, report_failure
 
 if TYPE_CHECKING:
-    from apps.common import Run
+    from apps.harness.run import Run
     from apps.nmt.config import NMTConfig
     from apps.nmt.evaluate import LoadedCheckpoint
 
@@ -493,7 +493,7 @@ def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
     only the shards holding its layers), else, for another number of stages or a checkpoint
     written before the split was recorded, the layers split by parameters.
     """
-    from apps.common import setup_run
+    from apps.harness.run import setup_run
     from apps.nmt.config import build_model
 
     config = loaded.config

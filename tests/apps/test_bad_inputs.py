@@ -27,10 +27,11 @@ from typing import Any
 import pytest
 
 import gpipe_core as gp
-from apps import common
 from apps.amoebanet import classify
 from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config
 from apps.config import ConfigError, save_config
+from apps.harness import checkpoints, run_log
+from apps.harness.out_dir import check_out_dir, lock_out_dir
 from apps.nmt import translate
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import load_tokenizer
@@ -74,14 +75,14 @@ def test_a_bad_latest_falls_back_to_the_newest_intact_step_folder(
         content, why = other.encode(), f"holds {other!r}, {why}"
     (run / "latest").write_bytes(content)
     # eval_bleu / eval_top1 / translate / classify
-    assert common.resolve_checkpoint(run, train_command="t") == newest
+    assert checkpoints.resolve_checkpoint(run, train_command="t") == newest
     err = capsys.readouterr().err
     assert err.startswith(f"warning: {run / 'latest'} {why}") and err.count("\n") == 1, err
     assert err.strip().endswith(f"; using the newest intact checkpoint {newest} instead")
     # --resume, on every rank
-    assert common.resume_checkpoint(run, train_command="t", verbose=True) == newest
+    assert checkpoints.resume_checkpoint(run, train_command="t", verbose=True) == newest
     assert f"resuming from the newest intact checkpoint {newest}" in capsys.readouterr().err
-    assert common.resume_checkpoint(run, train_command="t", verbose=False) == newest
+    assert checkpoints.resume_checkpoint(run, train_command="t", verbose=False) == newest
     assert capsys.readouterr().err == ""  # only rank 0 says it
 
 
@@ -103,7 +104,7 @@ def test_a_bad_latest_skips_a_damaged_step_folder_too(tmp_path: Path,
     newest = write_run_checkpoint(tmp_path, 4)
     (newest / "config.yaml").write_text("lr: 0.2\n")  # altered after the index was written
     (tmp_path / "latest").write_text("garbage")
-    assert common.resolve_checkpoint(tmp_path, train_command="t") == older
+    assert checkpoints.resolve_checkpoint(tmp_path, train_command="t") == older
     err = capsys.readouterr().err
     assert "holds 'garbage'" in err and f"{newest / 'config.yaml'} is damaged" in err
 
@@ -112,14 +113,14 @@ def test_a_bad_latest_without_checkpoints_says_how_to_train_and_a_new_run_may_st
     tmp_path: Path,
 ) -> None:
     (tmp_path / "latest").write_text("garbage\n")
-    with pytest.raises(common.CheckpointError,
+    with pytest.raises(checkpoints.CheckpointError,
                        match=rf"^no checkpoint in {tmp_path} \({tmp_path / 'latest'} holds "
                        r"'garbage', .*\); train one with `python train.py`$"):
-        common.resume_checkpoint(tmp_path, train_command="python train.py", verbose=True)
-    common.refuse_existing_run(tmp_path)  # following that advice is not refused
+        checkpoints.resume_checkpoint(tmp_path, train_command="python train.py", verbose=True)
+    checkpoints.refuse_existing_run(tmp_path)  # following that advice is not refused
     write_run_checkpoint(tmp_path, 2)
     with pytest.raises(ConfigError, match="already holds a run"):
-        common.refuse_existing_run(tmp_path)
+        checkpoints.refuse_existing_run(tmp_path)
 
 
 def test_a_valid_latest_is_used_and_a_damaged_one_is_refused_by_evaluation(
@@ -127,13 +128,13 @@ def test_a_valid_latest_is_used_and_a_damaged_one_is_refused_by_evaluation(
 ) -> None:
     older = write_run_checkpoint(tmp_path, 2)
     newest = write_run_checkpoint(tmp_path, 4)
-    assert common.read_latest(tmp_path) == ("step-0000004", None)
+    assert checkpoints.read_latest(tmp_path) == ("step-0000004", None)
     (tmp_path / "latest").write_text("step-0000002\n")  # a folder past latest is ignored
-    assert common.resolve_checkpoint(tmp_path, train_command="t") == older
+    assert checkpoints.resolve_checkpoint(tmp_path, train_command="t") == older
     (tmp_path / "latest").write_text("step-0000004\n")
     (newest / "config.yaml").write_text("lr: 0.2\n")
     with pytest.raises(gp.CheckpointCorruptError, match="config.yaml is damaged"):
-        common.resolve_checkpoint(tmp_path, train_command="t")  # evaluation scores what it's told
+        checkpoints.resolve_checkpoint(tmp_path, train_command="t")  # evaluation scores what it's told
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_resume_drops_a_torn_last_log_record_with_a_warning(
     records = [json.dumps({"step": step, "loss": 1.0 / step}) for step in (1, 2, 3)]
     log.write_text("\n".join(records) + '\n{"step": 4, "lo')  # what a crash or full disk leaves
     config = NMTConfig(wandb_mode="disabled")
-    logger = common.RunLogger(config, tmp_path, resume_step=3, enabled=True)
+    logger = run_log.RunLogger(config, tmp_path, resume_step=3, enabled=True)
     logger.step({"step": 4, "loss": 0.25})
     logger.close()
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
@@ -242,10 +243,10 @@ def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path: Pa
     file.write_text("x")
     with pytest.raises(ConfigError, match=rf"^out_dir={file} is a file, not a folder; pass "
                        r"another --out_dir"):
-        common.check_out_dir(file)
+        check_out_dir(file)
     with pytest.raises(ConfigError, match=rf"^out_dir={file / 'run'} cannot be written \(Not a "
                        rf"directory at {file / 'run'}\); pass another --out_dir"):
-        common.check_out_dir(file / "run")
+        check_out_dir(file / "run")
     if os.geteuid() == 0:  # root writes through permission bits: a read-only filesystem then
         unwritable = Path("/sys/gpipe-test-run")
     else:
@@ -253,15 +254,15 @@ def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path: Pa
         unwritable = tmp_path / "locked" / "run"
     with pytest.raises(ConfigError, match=rf"^out_dir={unwritable} cannot be written \(.*\); "
                        "pass another --out_dir, or make it writable for this user$"):
-        common.check_out_dir(unwritable)
-    common.check_out_dir(tmp_path / "new" / "run")  # created
+        check_out_dir(unwritable)
+    check_out_dir(tmp_path / "new" / "run")  # created
     assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
 
 
 def test_a_second_process_cannot_lock_an_out_dir_in_use(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from apps import "
-         "common; common.lock_out_dir(Path(sys.argv[1])); print('locked', flush=True); "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from apps.harness.out_dir "
+         "import lock_out_dir; lock_out_dir(Path(sys.argv[1])); print('locked', flush=True); "
          "time.sleep(60)", str(tmp_path)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE)
     try:
@@ -269,11 +270,11 @@ def test_a_second_process_cannot_lock_an_out_dir_in_use(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=rf"^out_dir={tmp_path} is in use by another run "
                            rf"\(pid {holder.pid} on host {socket.gethostname()}, since .*; see "
                            rf"{tmp_path / '.lock'}\); wait for it to end"):
-            common.lock_out_dir(tmp_path)
+            lock_out_dir(tmp_path)
     finally:
         holder.kill()
         holder.wait()
-    common.lock_out_dir(tmp_path)  # the lock died with its process: no stale lock
+    lock_out_dir(tmp_path)  # the lock died with its process: no stale lock
 
 
 @pytest.mark.slow
@@ -379,7 +380,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
                          "it; free space (or fix out_dir) and continue with --resume"), line
     assert (out_dir / "latest").read_text() == "step-0000002\n"
     gp.verify_checkpoint(previous)
-    assert "apps/common.py" not in output and "hangs" not in output, output[-3000:]
+    assert "apps/harness/checkpoints.py" not in output and "hangs" not in output, output[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import gpipe_core as gp
-from apps import common
 from apps.amoebanet import train
 from apps.config import ConfigError, save_config
+from apps.harness import checkpoints, guards
 from apps.nmt.config import NMTConfig
 from gpipe_core.launch import free_port
 from scripts import eval_bleu, eval_top1
@@ -158,13 +158,13 @@ def test_a_damaged_checkpoint_is_named_by_the_eval_script(
 
 
 def test_the_divergence_rule() -> None:
-    common.check_loss(2.0, step=1, num_classes=10, factor=1000, fix="lower lr")
-    with pytest.raises(common.DivergenceError, match=r"loss 1e\+12 at step 7 exceeds "
+    guards.check_loss(2.0, step=1, num_classes=10, factor=1000, fix="lower lr")
+    with pytest.raises(guards.DivergenceError, match=r"loss 1e\+12 at step 7 exceeds "
                        r"max_loss_factor=1000 x ln\(10\) = 2303 .*the run diverged; lower lr"):
-        common.check_loss(1e12, step=7, num_classes=10, factor=1000, fix="lower lr")
-    common.check_loss(1e12, step=7, num_classes=10, factor=0, fix="lower lr")  # rule off
-    with pytest.raises(common.DivergenceError, match="loss is nan at step 3"):
-        common.check_loss(float("nan"), step=3, num_classes=10, factor=0, fix="lower lr")
+        guards.check_loss(1e12, step=7, num_classes=10, factor=1000, fix="lower lr")
+    guards.check_loss(1e12, step=7, num_classes=10, factor=0, fix="lower lr")  # rule off
+    with pytest.raises(guards.DivergenceError, match="loss is nan at step 3"):
+        guards.check_loss(float("nan"), step=3, num_classes=10, factor=0, fix="lower lr")
 
 
 @pytest.mark.slow
@@ -199,7 +199,7 @@ def test_sigterm_saves_a_checkpoint_at_one_step_and_resume_continues(
     assert checkpoint.name == f"step-{step:07d}"
     gp.verify_checkpoint(checkpoint)
     for rank in (0, 1):
-        state = common.load_train_state(checkpoint, rank, 2)
+        state = checkpoints.load_train_state(checkpoint, rank, 2)
         assert state["step"] == step
     resumed = subprocess_output(long_run(shards, out_dir, resume=True), tmp_path / "resume.txt",
                                 max_steps=step + 2)
@@ -270,7 +270,7 @@ def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path:
     assert f"interrupted (SIGINT) at step {step}: checkpoint" in output, output[-3000:]
     checkpoint = out_dir / (out_dir / "latest").read_text().strip()
     gp.verify_checkpoint(checkpoint)
-    assert [common.load_train_state(checkpoint, r, 2)["step"] for r in (0, 1)] == [step, step]
+    assert [checkpoints.load_train_state(checkpoint, r, 2)["step"] for r in (0, 1)] == [step, step]
     # resumed, then rank 1 stops answering (as the issue measured: SIGSTOP at a log step). It
     # once ran only on request: the pipeline group's collectives (clip_grad_norm_) waited
     # torch's 30-minute default instead of timeout_s, so rank 0 hung when rank 1 stopped there.

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from apps.amoebanet.evaluate import load_model as load_amoebanet
-from apps.common import resolve_checkpoint
+from apps.harness.checkpoints import resolve_checkpoint
 from apps.nmt.evaluate import load_checkpoint, load_eval_sentences, translate
 from data.gettext_m2en.prepare import prepare
 from tests.apps import test_amoebanet_train as amoebanet_tests
