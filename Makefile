@@ -8,7 +8,7 @@ NPROC ?= 2
 TORCHRUN := $(VENV)/bin/torchrun --nnodes 1 --nproc-per-node $(NPROC) --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0
 ARGS ?=
 
-.PHONY: install test test-fast lint smoke train-nmt eval-nmt translate train-amoebanet \
+.PHONY: install test test-fast test-unit lint smoke train-nmt eval-nmt translate train-amoebanet \
         eval-amoebanet classify \
         bench bench-overhead bench-pipeline bench-decoding reproduce-stability reproduce-depth-width \
         reproduce-memory reproduce-throughput reproduce-app-pipelines reproduce-paper-scale \
@@ -25,8 +25,15 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest -q tests
 
+# Everything but the slow and the multi-process tests: the apps on a tiny corpus (built once),
+# the scripts' quick checks, the library.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not distributed" tests
+
+# The library alone (gpipe_core): no corpus, no app, no script, one process (tests/*.py).
+test-unit: install
+	$(PY) -m pytest -q -m "not slow and not distributed" tests \
+		--ignore=tests/apps --ignore=tests/scripts --ignore=tests/distributed
 
 lint: install
 	$(VENV)/bin/ruff check gpipe_core apps data scripts tests

@@ -1,6 +1,7 @@
 """GPipe pipeline parallelism for PyTorch: micro-batches, re-materialization, schedules as data."""
 
 from .batchnorm import DeferredBatchNorm
+from .channel import Channel
 from .costs import LayerCosts, layer_costs
 from .cpu import bind_cpus, hold_freed_memory
 from .devices import DEVICES, OPTIMIZER_BYTES, Device, get_device
@@ -9,6 +10,7 @@ from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, report_failure
 from .gpipe import GPipe
 from .groups import group_timeout_s, init_process_groups
+from .layout import PipelineLayout, read_layout
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import NoPlanFits, Plan, plan, plan_largest
@@ -33,6 +35,9 @@ from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 __all__ = [
     "GPipe",
     "DistributedGPipe",
+    "PipelineLayout",
+    "read_layout",
+    "Channel",
     "PipelineFailure",
     "group_timeout_s",
     "init_process_groups",

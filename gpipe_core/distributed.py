@@ -18,11 +18,19 @@ With a data-parallel group as well (pipeline x data parallel), gradients are ave
 replicas of each stage after the pipeline's backward. If any rank fails, the others stop within
 ``timeout_s`` seconds (the pipeline group's timeout unless given) plus the few seconds it takes
 to name the rank and stage that failed first (``failure.NAMING_S``).
+
+A pipeline's whole life: :meth:`DistributedGPipe.save_checkpoint` writes the shards and, in
+``index.json``, the pipeline's layout (stage split, placement, schedule, chunks:
+:class:`~gpipe_core.PipelineLayout`); :meth:`DistributedGPipe.from_checkpoint` builds the
+pipeline back from it, on the same or another number of ranks, to train, evaluate or decode;
+:meth:`DistributedGPipe.channel` gives work between steps (pipelined decoding) the pipeline's
+point-to-point messages, timeout and failure naming (:class:`~gpipe_core.Channel`).
 """
 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,13 +40,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .batchnorm import DeferredBatchNorm
+from .channel import Channel
 from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, peer_failure, report_failure
 from .gradients import average_gradients, clip_grad_norm
 from .groups import default_device, group_timeout_s
+from .layout import PipelineLayout, read_layout, stage_split
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
-from .partition import split_module, verify_module
+from .partition import Balance, split_module, verify_module
 from .remat import check_pipeline_args, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Schedule, check_in_order_matching, get_schedule
@@ -111,11 +121,7 @@ class DistributedGPipe(StepCounter, nn.Module):
         quiet_io: bool = True,
     ) -> None:
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised; launch with torchrun and call "
-                "gp.init_process_groups(num_stages) (or dist.init_process_group) first"
-            )
+        _require_distributed()
         verify_module(module)
         check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
         if loss_reduction not in ("mean", "sum"):
@@ -147,6 +153,10 @@ class DistributedGPipe(StepCounter, nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.loss_reduction = loss_reduction
+        self.deferred_batch_norm = deferred_batch_norm
+        self.tied = tied
+        # layer index -> its name, to tell which shards of a checkpoint hold this rank's layers
+        self._layer_names = [name for part in partitions for name, _ in part]
         if timeout_s is None:
             timeout_s = group_timeout_s(group)
         if not timeout_s > 0 or timeout_s == float("inf"):
@@ -413,7 +423,31 @@ class DistributedGPipe(StepCounter, nn.Module):
                 write_timeline_png(merged, png_path, num_stages=self.num_stages,
                                    placement=placement)
 
+    # -- messages outside steps -------------------------------------------------------------
+
+    def channel(self, what: str = "messages outside steps", *,
+                timeout_s: float | None = None) -> Channel:
+        """A point-to-point :class:`~gpipe_core.Channel` between this rank's stage and the
+        others, with the pipeline's backend policy, timeout (unless ``timeout_s``) and failure
+        naming (``what`` names the work in errors); for work between steps such as pipelined
+        decoding. One stage per rank."""
+        return Channel(self.stage_index, self.stage_ranks, policy=self._policy,
+                       timeout_s=self.timeout_s if timeout_s is None else timeout_s, what=what)
+
     # -- checkpoints -----------------------------------------------------------------------
+
+    @property
+    def layout(self) -> PipelineLayout:
+        """How this pipeline is built, as :meth:`save_checkpoint` records it in ``index.json``."""
+        name = self.schedule_name
+        return PipelineLayout(
+            balance=tuple(self.balance), placement=tuple(self.placement),
+            num_ranks=self.num_ranks,
+            schedule=name if isinstance(name, str) else None, chunks=self.chunks,
+            checkpoint=self.checkpoint, loss_reduction=self.loss_reduction,
+            deferred_batch_norm=self.deferred_batch_norm, tied=self.tied, seed=self.seed,
+            steps_done=self.steps_done,
+        )
 
     def save_checkpoint(self, directory: str | Path, *, files: dict[str, Any] | None = None) -> None:
         """Write this rank's shard (its stages' layers) into the checkpoint folder
@@ -422,26 +456,35 @@ class DistributedGPipe(StepCounter, nn.Module):
         Collective over the world. Only the first data-parallel replica writes shards; every
         rank also writes its own ``files`` (name -> bytes, text, or an object for torch.save).
         Each file is written atomically; then global rank 0 writes ``index.json`` with every
-        file's size and SHA-256, and all ranks wait until it exists. A checkpoint folder with an
-        ``index.json`` is therefore complete, and loading verifies each file against it.
+        file's size and SHA-256 and the pipeline's :attr:`layout` (stage split, placement,
+        schedule, chunks: what :meth:`from_checkpoint` rebuilds), and all ranks wait until it
+        exists. A checkpoint folder with an ``index.json`` is therefore complete, and loading
+        verifies each file against it.
         """
         replica = dist.get_rank(self.data_parallel_group) if self.data_parallel_group else 0
         save_stage_checkpoint(self.state_dict() if replica == 0 else None, Path(directory),
-                              shard=self.pipeline_rank, num_shards=self.num_ranks, files=files)
+                              shard=self.pipeline_rank, num_shards=self.num_ranks, files=files,
+                              pipeline=self.layout.to_json())
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load this rank's parameters from a checkpoint written with any number of stages and
         any placement.
 
-        A checkpoint written with this pipeline's number of ranks is read from this rank's own
-        shard only, when that shard holds every key of the rank (the same balance and
-        placement), so no rank reads the whole model; otherwise the shards are merged and
-        filtered.
+        Only the shards holding this rank's layers are read (the checkpoint's recorded layout
+        says which; with the same balance and placement, this rank's own shard), so no rank
+        reads the whole model; a checkpoint without a layout is read from this rank's own
+        shard when that shard holds every key of the rank, else from every shard.
         """
         keys = set(self.state_dict())
         directory = Path(directory)
+        layout = read_layout(directory)
         state: dict[str, Tensor] | None = None
-        if int(read_index(directory)["num_shards"]) == self.num_ranks:
+        if layout is not None and sum(layout.balance) == len(self._layer_names):
+            try:
+                state = load_shards(directory, keys=keys, shards=self._shards_in(layout))
+            except KeyError:  # a key outside its layer's shard (a tied weight): read them all
+                state = None
+        elif int(read_index(directory)["num_shards"]) == self.num_ranks:
             name = shard_name(self.pipeline_rank, self.num_ranks)
             verify_checkpoint(directory, [name])
             own = torch_load(directory / name, weights_only=True)
@@ -451,6 +494,100 @@ class DistributedGPipe(StepCounter, nn.Module):
         self.load_state_dict(state if state is not None else load_shards(directory, keys=keys))
         if self._tied is not None:
             self._tied.sync()
+
+    def _shards_in(self, layout: PipelineLayout) -> set[int]:
+        """The shards of a checkpoint of ``layout`` that hold this rank's layers."""
+        owner = [layout.placement[stage] for stage, count in enumerate(layout.balance)
+                 for _ in range(count)]  # layer index -> the rank (shard) that saved it
+        mine = {name for name in self._modules}
+        return {owner[index] for index, name in enumerate(self._layer_names) if name in mine}
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        directory: str | Path,
+        module: nn.Sequential,
+        *,
+        loss_fn: LossFn | None = None,
+        balance: Sequence[int] | None = None,
+        num_stages: int | None = None,
+        resplit: Callable[[nn.Sequential, int], Balance] | None = None,
+        chunks: int | None = None,
+        schedule: str | Callable[[int, int], Schedule] | None = None,
+        checkpoint: str | None = None,
+        loss_reduction: str | None = None,
+        deferred_batch_norm: bool | None = None,
+        tied: tuple[str, str] | None = None,
+        seed: int | None = None,
+        group: Any = None,
+        **options: Any,
+    ) -> DistributedGPipe:
+        """The pipeline a checkpoint folder was saved from, built on this pipeline group and
+        loaded, for training, evaluation or decoding.
+
+        ``module``: the whole network, as for the constructor (on ``meta``: each rank
+        materializes and reads only its own layers). Every argument left None is the one
+        recorded in the checkpoint's ``index.json`` (:class:`~gpipe_core.PipelineLayout`):
+        ``chunks``, ``schedule``, ``checkpoint``, ``loss_reduction``, ``deferred_batch_norm``,
+        ``tied``, ``seed``; ``steps_done`` is restored too, so training continues the random
+        streams. Other keyword arguments (``device``, ``data_parallel_group``, ``timeout_s``,
+        ``quiet_io``, ...) go to the constructor. ``loss_fn`` is needed to train or evaluate a
+        loss, not to decode.
+
+        The stage split: ``balance`` when given; else the recorded one when this pipeline has
+        ``num_stages`` stages (default: the recorded stages per rank times this group's size)
+        and that number divides the recorded one (adjacent recorded stages are joined: ``[2, 2,
+        2, 2]`` on 2 ranks is ``[4, 4]``); else ``resplit(module, num_stages)`` (e.g.
+        ``gp.balance_by_params``) when given; else ValueError naming the values and the fix.
+        A checkpoint written before the layout was recorded needs ``balance`` or ``resplit``
+        (and runs ``"gpipe"`` unless ``schedule`` is given). To load a checkpoint into the plain
+        module instead: ``module.load_state_dict(gp.load_shards(directory))``.
+        """
+        _require_distributed()
+        directory = Path(directory)
+        layout = read_layout(directory)  # FileNotFoundError without an index.json
+        num_ranks = dist.get_world_size(group)
+        balance = stage_split(
+            directory, layout, num_layers=len(module), num_ranks=num_ranks,
+            num_stages=num_stages, balance=balance,
+            resplit=None if resplit is None else functools.partial(resplit, module))
+        if schedule is None:
+            schedule = layout.schedule if layout is not None else "gpipe"
+        if schedule is None:
+            raise ValueError(f"checkpoint {directory} was trained with a schedule factory, which "
+                             "cannot be rebuilt from a name; pass schedule=")
+        recorded = layout or PipelineLayout((), (), num_ranks, "gpipe", 1)
+        pipe = cls(
+            module, list(balance),
+            chunks=chunks if chunks is not None else recorded.chunks,
+            checkpoint=checkpoint if checkpoint is not None else recorded.checkpoint,
+            schedule=schedule,
+            loss_fn=loss_fn if loss_fn is not None else _no_loss_fn,
+            loss_reduction=(loss_reduction if loss_reduction is not None
+                            else recorded.loss_reduction),
+            deferred_batch_norm=(deferred_batch_norm if deferred_batch_norm is not None
+                                 else recorded.deferred_batch_norm),
+            tied=tied if tied is not None else recorded.tied,
+            seed=seed if seed is not None else recorded.seed,
+            group=group,
+            **options,
+        )
+        pipe.load_checkpoint(directory)
+        pipe.steps_done = recorded.steps_done
+        return pipe
+
+
+def _require_distributed() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised; launch with torchrun and call "
+            "gp.init_process_groups(num_stages) (or dist.init_process_group) first"
+        )
+
+
+def _no_loss_fn(outputs: Any, targets: Any) -> Tensor:
+    raise TypeError("this pipeline was built from a checkpoint without loss_fn; pass loss_fn= "
+                    "to DistributedGPipe.from_checkpoint to train or evaluate a loss")
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -24,7 +24,7 @@ def _watch_launcher(poll_s: float = 1.0) -> None:
 
     A worker whose agent was killed would otherwise run on as an orphan, and the agent of the
     other node would count the job a success. A daemon thread polls the parent's pid; SIGTERM
-    lets a training loop checkpoint and stop (see apps.common.Interrupt), and its peers see the
+    lets a training loop checkpoint and stop (see apps.harness.guards.Interrupt), and its peers see the
     stop too.
     """
     global _launcher_watched

@@ -9,6 +9,7 @@ with any other number of stages.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,10 @@ def save_shards(
     return {name: entry}
 
 
-def load_shards(directory: str | Path, *, keys: set[str] | None = None) -> dict[str, Tensor]:
-    """Merge the shards of a checkpoint into one state dict (optionally only ``keys``).
+def load_shards(directory: str | Path, *, keys: set[str] | None = None,
+                shards: Iterable[int] | None = None) -> dict[str, Tensor]:
+    """Merge the shards of a checkpoint into one state dict (optionally only ``keys``, read
+    from only the shards numbered ``shards``).
 
     The result loads into the plain module, into ``GPipe`` and, key by key, into a
     ``DistributedGPipe`` with any number of stages. Each shard is checked against the size and
@@ -60,7 +63,7 @@ def load_shards(directory: str | Path, *, keys: set[str] | None = None) -> dict[
     directory = Path(directory)
     num_shards = int(read_index(directory)["num_shards"])
     merged: dict[str, Tensor] = {}
-    for shard in range(num_shards):
+    for shard in sorted(set(shards)) if shards is not None else range(num_shards):
         path = directory / shard_name(shard, num_shards)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint shard {path} is missing")
@@ -79,10 +82,11 @@ def save_stage_checkpoint(
     shard: int,
     num_shards: int,
     files: dict[str, Any] | None = None,
+    pipeline: dict[str, Any] | None = None,
 ) -> None:
     """Collective over the world: every rank writes its shard (unless ``state_dict`` is None)
-    and its ``files``; then global rank 0 writes ``index.json`` over all of them, and all ranks
-    wait until it exists."""
+    and its ``files``; then global rank 0 writes ``index.json`` over all of them (with rank 0's
+    ``pipeline`` layout, :mod:`gpipe_core.layout`), and all ranks wait until it exists."""
     entries: dict[str, FileEntry] = {}
     if state_dict is not None:
         entries.update(save_shards(state_dict, directory, shard=shard, num_shards=num_shards,
@@ -96,5 +100,5 @@ def save_stage_checkpoint(
             merged: dict[str, FileEntry] = {}
             for part in gathered:
                 merged.update(part)
-            write_index(directory, num_shards, merged)
+            write_index(directory, num_shards, merged, pipeline=pipeline)
         dist.barrier()

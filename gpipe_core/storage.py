@@ -6,7 +6,11 @@ survives a power cut. A reader therefore sees the old file or the new one, never
 
 A checkpoint folder's ``index.json`` records each file's size and SHA-256::
 
-    {"num_shards": 2, "files": {"shard-000-of-002.pt": {"bytes": 5545, "sha256": "..."}, ...}}
+    {"num_shards": 2, "pipeline": {...}, "files": {"shard-000-of-002.pt": {"bytes": 5545,
+                                                     "sha256": "..."}, ...}}
+
+``pipeline`` (written by ``DistributedGPipe.save_checkpoint``) is the layout of the pipeline
+that wrote it: stage split, placement, schedule, chunks (:mod:`gpipe_core.layout`).
 
 :func:`verify_checkpoint` checks them and raises :class:`CheckpointCorruptError` naming the first
 file that is missing, truncated or altered. An index without ``files`` (written before hashes
@@ -118,9 +122,14 @@ def write_atomic(path: str | Path, content: bytes | str | Any) -> FileEntry:
     return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
-def write_index(directory: str | Path, num_shards: int, files: dict[str, FileEntry]) -> None:
-    """Write ``index.json`` (atomically) recording every file's size and hash."""
-    index = {"num_shards": num_shards, "files": dict(sorted(files.items()))}
+def write_index(directory: str | Path, num_shards: int, files: dict[str, FileEntry], *,
+                pipeline: dict[str, Any] | None = None) -> None:
+    """Write ``index.json`` (atomically) recording every file's size and hash, and the
+    ``pipeline`` layout when given."""
+    index: dict[str, Any] = {"num_shards": num_shards}
+    if pipeline is not None:
+        index["pipeline"] = pipeline
+    index["files"] = dict(sorted(files.items()))
     write_atomic(Path(directory) / INDEX, json.dumps(index, indent=1) + "\n")
 
 

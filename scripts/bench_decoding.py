@@ -19,24 +19,22 @@ memory (rank 0's includes the whole model it keeps for the one-process rows). Wr
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import gpipe_core as gp
 from apps.nmt.config import NMTConfig, build_model, replace
 from apps.nmt.pipelined_search import pipelined_search_hypotheses
 from apps.nmt.search import BeamSearch, GreedySearch, Hypothesis, search_hypotheses
+from gpipe_core.launch import spawn
 from gpipe_core.materialize import materialize
 from gpipe_core.partition import optimal_balance
 from scripts.bench_pipeline import reset_peak_rss, rss_mb, timed_step
@@ -122,10 +120,8 @@ def memory(fn: Any) -> tuple[int, float | None]:
     return live.peak, rss_mb("VmHWM")
 
 
-def worker(rank: int, args: argparse.Namespace, root: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
-                            world_size=K, timeout=datetime.timedelta(seconds=300))
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
+    """One rank's measurements; rank 0 returns the report as JSON text."""
     config = model_config(args)
     src = sentences(args, config)
     search_args = dict(bos_id=config.bos_id, eos_id=config.eos_id, alpha=0.6,
@@ -210,8 +206,8 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
         meta_info = {"balance_per_beam": {str(b): v for b, v in balance_of.items()},
                      "model_param_bytes": param_bytes(plain),
                      "model_parameters": sum(p.numel() for p in plain.parameters())}
-        Path(root, "rows.json").write_text(json.dumps({"rows": rows, **meta_info}))
-    dist.destroy_process_group()
+        return json.dumps({"rows": rows, **meta_info})
+    return None
 
 
 def main() -> None:
@@ -235,11 +231,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} must be at least 1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as root:
-        mp.start_processes(worker, args=(args, root), nprocs=K, start_method="spawn")
-        report = json.loads(Path(root, "rows.json").read_text())
+    report = json.loads(spawn(worker, K, None, args, pg_timeout_s=300, timeout_s=None)[0])
     rows = report["rows"]
     single = {(r["beam"], r["config"]): r["seconds"] for r in rows
               if r["config"].startswith("single")}

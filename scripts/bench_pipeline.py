@@ -25,21 +25,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
+import functools
 import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import gpipe_core as gp
+from gpipe_core.launch import spawn
 from scripts.reproduction import LiveTensorBytes
 
 K = 2
@@ -155,15 +153,18 @@ def plain_steps(model: nn.Sequential, x: Tensor, y: Tensor, m: int, rank: int) -
     return {"whole": whole, "chunked": chunked}
 
 
-def worker(rank: int, args: argparse.Namespace, root: str) -> None:
-    if args.pin:
-        gp.bind_cpus(rank, K)  # one core per rank; torch threads = 1
+def setup_process(rank: int, world_size: int, *, pin: bool, hold_memory: bool) -> None:
+    """Before the process group (gpipe_core.launch's ``setup``): cores and allocator."""
+    if pin:
+        gp.bind_cpus(rank, world_size)  # one core per rank; torch threads = 1
     else:
         torch.set_num_threads(1)
-    if args.hold_memory:
+    if hold_memory:
         gp.hold_freed_memory()  # for every row alike, the plain module's included
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
-                            world_size=K, timeout=datetime.timedelta(seconds=120))
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
+    """One rank's measurements; rank 0 returns every row as JSON text."""
     x, y = data(args)
     plain_model = build(args.blocks, args.width)
     rows = []
@@ -201,9 +202,7 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
                          "peak_rss_mb_per_rank": [p for p, _, _ in rank_peaks],
                          "step_memory_mb_per_rank": [d for _, d, _ in rank_peaks],
                          "peak_tensor_mb_per_rank": [t for _, _, t in rank_peaks]})
-    if rank == 0:
-        Path(root, "rows.json").write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    return json.dumps(rows) if rank == 0 else None
 
 
 def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int], m: int,
@@ -274,10 +273,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with tempfile.TemporaryDirectory() as root:
-        mp.start_processes(worker, args=(args, root), nprocs=K, start_method="spawn")
-        rows = json.loads(Path(root, "rows.json").read_text())
+    setup = functools.partial(setup_process, pin=args.pin, hold_memory=args.hold_memory)
+    # no bound on the whole run (its length grows with the rows); a hang ends at the process
+    # group's timeout, and a failed rank ends the other
+    rows = json.loads(spawn(worker, K, None, args, setup=setup, pg_timeout_s=120,
+                            timeout_s=None)[0])
     plain = {(r["M"], r["schedule"]): r["seconds"] for r in rows if r["impl"] == "plain"}
     for row in rows:
         m = row["M"]

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -208,12 +207,9 @@ def python_command(*args: str, torchrun: bool = False) -> list[str]:
     """This script as a module (under torchrun on 2 ranks on 127.0.0.1 with ``torchrun``)."""
     if not torchrun:
         return [sys.executable, "-m", "scripts.demo_large_nmt", *args]
-    with socket.socket() as sock:  # a free port on the loopback interface
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "-m", "scripts.demo_large_nmt", *args]
+    from gpipe_core.launch import torchrun_command
+
+    return torchrun_command("scripts.demo_large_nmt", args, nproc=2)
 
 
 def shown(path: Path) -> str:
@@ -281,7 +277,7 @@ def demonstrate(settings: dict[str, Any], *, budget_mb: float, run_dir: Path,
     run(python_command("--measure-training", str(run_dir / "memory"), *args, torchrun=True),
         log, timeout_s=timeout_s, mmap_threshold=mmap_threshold)
     trained = time.monotonic()
-    from apps.common import resolve_checkpoint  # the one reader of `latest`
+    from apps.harness.checkpoints import resolve_checkpoint  # the one reader of `latest`
 
     checkpoint = resolve_checkpoint(settings["out_dir"], train_command="this demo's training")
     for what in ("load", "train-step"):

@@ -95,7 +95,7 @@ def evaluate_checkpoint(
         write_report(report, out.with_suffix(".json"))
         plot_report(report, out.with_suffix(".png"))
     if pipelined:
-        from apps.common import end_run
+        from apps.harness.run import end_run
 
         end_run()  # after rank 0's files
     return report

@@ -18,9 +18,10 @@ whole model::
 
 ``--stages`` K pipeline stages (default: every rank, one pipeline; a world of R x K ranks is R
 data-parallel replicas, each reading its share of the split's shards). Each rank builds its
-stage on the ``meta`` device and loads only its part of the checkpoint (only its own shard
-when K and the balance are the checkpoint's: run.json's balance is used when it has K stages,
-else the layers are split by parameters); the images go through ``DistributedGPipe.evaluate``
+stage on the ``meta`` device with ``DistributedGPipe.from_checkpoint`` and loads only its part
+of the checkpoint (the stage split recorded in its index.json, its stages joined when K divides
+their number, so that each rank reads only the shards holding its layers; else the layers are
+split by parameters); the images go through ``DistributedGPipe.evaluate``
 (forward only, BatchNorm in eval mode, ``chunks`` micro-batches) and the counts are summed
 over the world. Top-1, top-5 and the confusion matrix equal the one-process numbers exactly;
 the loss agrees to rounding (micro-batches change the order of floating-point sums). Rank 0
@@ -30,7 +31,6 @@ writes the report.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -57,8 +57,8 @@ from apps.amoebanet.evaluate import (  # noqa: E402
     load_model,
     write_report,
 )
-from apps.common import CheckpointError, require_app, resolve_checkpoint  # noqa: E402
 from apps.config import ConfigError  # noqa: E402
+from apps.harness.checkpoints import CheckpointError, require_app, resolve_checkpoint  # noqa: E402
 
 
 def load_checkpoint_config(checkpoint: Path, overrides: Sequence[str] = ()) -> AmoebaNetConfig:
@@ -112,7 +112,7 @@ def evaluate_pipelined(
 
     from apps.amoebanet.config import build_model
     from apps.amoebanet.evaluate import evaluate_pipeline
-    from apps.common import end_run, setup_run
+    from apps.harness.run import end_run, setup_run
 
     checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
     require_app(checkpoint, "amoebanet")
@@ -124,23 +124,20 @@ def evaluate_pipelined(
         raise ConfigError(f"--stages={num_stages} must divide the world size {world_size} "
                           "(R replicas x K stages)")
     run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
-    model = build_model(config, device="meta")
-    saved = json.loads((checkpoint / "run.json").read_text()) if (
-        checkpoint / "run.json").is_file() else {}
-    balance = saved.get("balance")
-    if not balance or len(balance) != num_stages:
-        balance = gp.balance_by_params(model, num_stages)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels)
 
-    pipe = gp.DistributedGPipe(
-        model, list(balance), chunks=config.chunks, schedule="gpipe", loss_fn=loss_fn,
-        group=run.pipeline_group, data_parallel_group=run.data_group if run.num_replicas > 1
-        else None, device=run.device, seed=config.seed,
+    # the checkpoint's recorded stage split (each rank reads only the shards of its layers),
+    # or the layers split by parameters for another number of stages or an older checkpoint
+    pipe = gp.DistributedGPipe.from_checkpoint(
+        checkpoint, build_model(config, device="meta"), num_stages=num_stages,
+        resplit=gp.balance_by_params, chunks=config.chunks, schedule="gpipe",
+        deferred_batch_norm=False, loss_fn=loss_fn, group=run.pipeline_group,
+        data_parallel_group=run.data_group if run.num_replicas > 1 else None,
+        device=run.device, seed=config.seed,
     )
-    del model
-    pipe.load_checkpoint(checkpoint)  # this stage's keys only
+    balance = pipe.balance
     metrics = evaluate_pipeline(pipe, config, run, split, nullcontext())
     report = metrics.report(class_names(config), split=split)
     report.update(checkpoint=str(checkpoint), stages=num_stages, balance=list(balance),

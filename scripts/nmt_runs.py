@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpipe_core.launch import torchrun_command
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -61,11 +63,7 @@ def train(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     args = [f"--{key}={_format(value)}" for key, value in settings.items()]
     args.append(f"--out_dir={out_dir}")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-        "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "127.0.0.1:0", "-m", "apps.nmt.train", *args,
-    ]
+    command = torchrun_command("apps.nmt.train", args, nproc=nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     started = time.monotonic()
     log_path = out_dir.with_name(out_dir.name + ".out")
@@ -205,7 +203,7 @@ def run_pending(names: Sequence[str], folder: Path, work: Any, *, jobs: int) -> 
 
 
 def stopped_as_diverged(run: Run) -> bool:
-    """Whether the trainer stopped the run on its divergence rule (apps.common.check_loss)."""
+    """Whether the trainer stopped the run on its divergence rule (apps.harness.guards.check_loss)."""
     log_path = run.out_dir.with_name(run.out_dir.name + ".out")
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     return run.returncode != 0 and ("DivergenceError" in text or "the run diverged" in text

@@ -36,7 +36,6 @@ processes as the paper's columns are, and the parameter ratio to naive-1 beside 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import tempfile
@@ -48,10 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import gpipe_core as gp
+from gpipe_core.launch import stop
 from gpipe_core.partition import optimal_balance
 from scripts.bench_pipeline import reset_peak_rss, rss_mb
 from scripts.reproduction import FAMILIES, TINY_FAMILIES, Family, layer_sizes
@@ -127,23 +125,18 @@ def _warm_up(family: Family) -> None:
     del model, optimizer
 
 
-def _trial_worker(rank: int, spec: dict[str, Any], root: str) -> None:
-    torch.set_num_threads(1)
+def _trial_worker(rank: int, world_size: int, spec: dict[str, Any], root: str) -> None:
+    """One rank of a trial (gpipe_core.launch, a process group when ``distributed(spec)``)."""
     families = TINY_FAMILIES if spec["tiny"] else FAMILIES
     family = families[spec["family"]]
-    stages = spec["stages"]
-    distributed = spec["column"].startswith("pipeline-") and stages > 1
-    if distributed:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
-                                world_size=stages, timeout=datetime.timedelta(seconds=120))
+    distributed = _distributed(spec)
     result: dict[str, Any] = {"rank": rank}
     try:
         model = family.build(spec["size"])
         inputs, targets = family.batch(family.batch_size)
         balance = None
         if distributed:
-            balance = _memory_balance(family, model, inputs, stages, spec["chunks"],
+            balance = _memory_balance(family, model, inputs, world_size, spec["chunks"],
                                       spec["checkpoint"])
         _warm_up(family)
         reset_peak_rss()
@@ -199,6 +192,10 @@ def _measure(spec: dict[str, Any], family: Family, model: torch.nn.Sequential, i
             "parameter_memory_mb": (weights + grads + state) / MB}
 
 
+def _distributed(spec: dict[str, Any]) -> bool:
+    return bool(spec["column"].startswith("pipeline-") and spec["stages"] > 1)
+
+
 def run_trial(family: Family, index: int, column: str, args: argparse.Namespace) -> Trial:
     """Run one size in fresh processes; end them all once one reports going over budget."""
     stages = int(column.split("-")[1]) if column.startswith("pipeline-") else 1
@@ -207,8 +204,8 @@ def run_trial(family: Family, index: int, column: str, args: argparse.Namespace)
             "budget": args.budget_mb * MB, "tiny": args.tiny}
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as root:
-        context = mp.start_processes(_trial_worker, args=(spec, root), nprocs=stages,
-                                     join=False, start_method="spawn")
+        context = start(_trial_worker, stages, root, spec, root, pg_timeout_s=120,
+                        process_group=_distributed(spec))
         deadline = start + args.trial_timeout
         results: dict[int, dict[str, Any]] = {}
         while len(results) < stages and time.monotonic() < deadline:
@@ -227,10 +224,7 @@ def run_trial(family: Family, index: int, column: str, args: argparse.Namespace)
                        if r not in results):
                     break
             time.sleep(0.05)
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
+        stop(context)
     seconds = time.monotonic() - start
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:

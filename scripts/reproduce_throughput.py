@@ -40,12 +40,9 @@ Writes ``throughput.json`` (every row), ``throughput.png`` (Table 2 curves) and
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -54,10 +51,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import gpipe_core as gp
+from gpipe_core.launch import spawn
 from gpipe_core.microbatch import scatter
 from gpipe_core.partition import optimal_balance
 from gpipe_core.remat import checkpoint_stop
@@ -372,12 +369,14 @@ def predicted_memory_mb(schedule: Any, stages: list[StageMemory], checkpoint: st
 # --- the measured run -----------------------------------------------------------------------
 
 
-def worker(rank: int, args: argparse.Namespace, root: str) -> None:
-    gp.bind_cpus(rank, K)  # one core per rank; torch threads = 1
+def setup_process(rank: int, world_size: int) -> None:
+    """Before the process group (gpipe_core.launch's ``setup``): cores and allocator."""
+    gp.bind_cpus(rank, world_size)  # one core per rank; torch threads = 1
     gp.hold_freed_memory()
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
-                            world_size=K, timeout=datetime.timedelta(seconds=300))
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
+    """One family's measurements on this rank; rank 0 returns the run as JSON text."""
     families = _families(args)
     family, size = families[args.family]
     inputs, targets = family.batch(family.batch_size)
@@ -472,12 +471,12 @@ def worker(rank: int, args: argparse.Namespace, root: str) -> None:
     all_transfer: list[Any] = [None] * K
     dist.all_gather_object(all_transfer, transfer_points)
     if rank == 0:
-        Path(root, "run.json").write_text(json.dumps({
+        return json.dumps({
             "rows": rows, "balance": balance, "costs_per_rank": all_costs,
             "transfer_points": {str(k): v for k, v in all_transfer[0].items()},
             "layers": len(plain), "parameters": sum(p.numel() for p in plain.parameters()),
-            "size": size, "batch_size": family.batch_size}))
-    dist.destroy_process_group()
+            "size": size, "batch_size": family.batch_size})
+    return None
 
 
 def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> dict[str, Any]:
@@ -632,9 +631,8 @@ def main() -> None:
         family, _ = families[name]
         args.family = name
         print(f"{name}: measuring K={K} for M={args.microbatches} ...", flush=True)
-        with tempfile.TemporaryDirectory() as root:
-            mp.start_processes(worker, args=(args, root), nprocs=K, start_method="spawn")
-            run = json.loads(Path(root, "run.json").read_text())
+        run = json.loads(spawn(worker, K, None, args, setup=setup_process, pg_timeout_s=300,
+                               timeout_s=None)[0])
         report["families"][name] = analyse(run, family, args)
         print_family(report["families"][name])
     del args.family

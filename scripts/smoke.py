@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gpipe_core.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "runs" / "smoke"
 
 
 def torchrun(module: str, *args: str) -> list[str]:
-    with socket.socket() as sock:  # a free port on the loopback interface
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", module, *args]
+    return torchrun_command(module, args, nproc=2)
 
 
 def run(title: str, command: list[str], timeout_s: float) -> None:

@@ -10,20 +10,20 @@ import torch
 from torch import nn
 
 import gpipe_core as gp
-from apps import common
 from apps.config import ConfigError, load_config
+from apps.harness import checkpoints
 
 
 def write_run_checkpoint(out_dir: Path, step: int) -> Path:
     """A checkpoint folder as the apps write it (shard, train state, config), published."""
-    path = common.checkpoint_dir(out_dir, step)
+    path = checkpoints.checkpoint_dir(out_dir, step)
     torch.manual_seed(step)
     entries = gp.save_shards(nn.Linear(4, 3).state_dict(), path, index=False)
     entries["train-state-rank000.pt"] = gp.write_atomic(
         path / "train-state-rank000.pt", {"step": step, "moments": torch.randn(8)})
     entries["config.yaml"] = gp.write_atomic(path / "config.yaml", "lr: 0.1\n")
     gp.storage.write_index(path, 1, entries)
-    common.publish_checkpoint(out_dir, path)
+    checkpoints.publish_checkpoint(out_dir, path)
     return path
 
 
@@ -56,7 +56,7 @@ def test_a_flipped_byte_in_a_shard_is_named_on_load(tmp_path: Path) -> None:
                        r"SHA-256 differs"):
         gp.load_shards(path)
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-000-of-001\.pt"):
-        common.resolve_checkpoint(tmp_path, train_command="train")
+        checkpoints.resolve_checkpoint(tmp_path, train_command="train")
 
 
 def test_a_truncated_shard_or_train_state_is_named(tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_a_truncated_shard_or_train_state_is_named(tmp_path: Path) -> None:
     with pytest.raises(gp.CheckpointCorruptError,
                        match=r"train-state-rank000\.pt is damaged: \d+ bytes, but index.json "
                        r"recorded \d+ \(truncated\)"):
-        common.load_train_state(path, 0, 1)
+        checkpoints.load_train_state(path, 0, 1)
     truncate(path / "shard-000-of-001.pt")
     with pytest.raises(gp.CheckpointCorruptError, match=r"shard-000-of-001\.pt is damaged"):
         gp.load_shards(path)
@@ -87,10 +87,10 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(
 ) -> None:
     write_run_checkpoint(tmp_path, 2)
     newest = write_run_checkpoint(tmp_path, 4)
-    assert common.resume_checkpoint(tmp_path, train_command="t", verbose=True) == newest
+    assert checkpoints.resume_checkpoint(tmp_path, train_command="t", verbose=True) == newest
     assert capsys.readouterr().err == ""
     flip_byte(newest / "train-state-rank000.pt")
-    chosen = common.resume_checkpoint(tmp_path, train_command="t", verbose=True)
+    chosen = checkpoints.resume_checkpoint(tmp_path, train_command="t", verbose=True)
     assert chosen.name == "step-0000002"
     err = capsys.readouterr().err
     assert "step-0000004/train-state-rank000.pt is damaged" in err
@@ -100,14 +100,14 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(
     (tmp_path / "step-0000009").mkdir()
     truncate(chosen / "shard-000-of-001.pt")
     with pytest.raises(gp.CheckpointCorruptError, match="no intact checkpoint in"):
-        common.resume_checkpoint(tmp_path, train_command="t", verbose=False)
+        checkpoints.resume_checkpoint(tmp_path, train_command="t", verbose=False)
     write_run_checkpoint(tmp_path, 3)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-0000002", "step-0000003"]
 
 
 def test_no_checkpoint_says_how_to_train_one(tmp_path: Path) -> None:
-    with pytest.raises(common.CheckpointError, match="train one with `python train.py`"):
-        common.resume_checkpoint(tmp_path, train_command="python train.py", verbose=True)
+    with pytest.raises(checkpoints.CheckpointError, match="train one with `python train.py`"):
+        checkpoints.resume_checkpoint(tmp_path, train_command="python train.py", verbose=True)
 
 
 def test_a_corrupt_yaml_config_is_named(tmp_path: Path) -> None:

@@ -44,8 +44,8 @@ from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config
 from apps.amoebanet.data import DatasetNotFoundError, build_transform, class_names
 from apps.amoebanet.evaluate import TRAIN_COMMAND, load_model
 from apps.amoebanet.model import min_image_size
-from apps.common import CheckpointError, require_app, resolve_checkpoint
 from apps.config import ConfigError
+from apps.harness.checkpoints import CheckpointError, require_app, resolve_checkpoint
 
 __all__ = ["ImageError", "checkpoint_classes", "load_images", "main", "top_classes"]
 

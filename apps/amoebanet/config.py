@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from apps.amoebanet.model import build_amoebanet, check_image_size
-from apps.common import check_pipeline_options
-from apps.config import ConfigError, load_config
+from apps.config import ConfigError, load_config, parse_overrides
+from apps.harness.pipeline import check_pipeline_options
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # `make train-amoebanet` with no arguments uses this one (CPU, Fashion-MNIST, 2 stages).
@@ -102,6 +102,10 @@ class AmoebaNetConfig:
     wandb_mode: str = "offline"  # "offline" | "online" (needs WANDB_API_KEY) | "disabled"
     wandb_project: str = "gpipe-amoebanet"  # wandb project name
 
+    # --- run options (of one invocation; a resumed run may change them) ----------------------
+    resume: bool = False  # continue from out_dir's latest checkpoint, exactly
+    max_steps: int = 0  # stop after this many optimizer steps, schedule unchanged (0 = at its end)
+
 
 GENOTYPE_CHOICES = ("D", "B")
 DATASET_CHOICES = ("fashion_mnist", "imagenet", "shards")
@@ -130,7 +134,7 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
     for key in ("num_workers", "eval_every_epochs", "ckpt_every", "max_minutes",
                 "max_loss_factor", "color_jitter", "mixup", "cutmix", "weight_decay",
                 "warmup_epochs", "warmup_lr", "min_lr", "train_steps", "budget_minutes",
-                "goal_steps"):
+                "goal_steps", "max_steps"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
     for key in ("lr", "opt_eps", "decay_epochs", "decay_rate"):
@@ -164,6 +168,20 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
 def load_amoebanet_config(argv: Sequence[str] = ()) -> AmoebaNetConfig:
     """Resolve defaults < ``--config=file.yaml`` < ``--key=value``; validated."""
     return validate(load_config(AmoebaNetConfig, argv))
+
+
+def load_train_config(argv: Sequence[str]) -> AmoebaNetConfig:
+    """The train script's config: ``--config`` defaults to ``DEFAULT_CONFIG``, and a bare name
+    (``--config=tiny_test``) means ``configs/tiny_test.yaml``; validated."""
+    config_path, overrides = parse_overrides(argv)
+    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    if not path.is_file() and (CONFIG_DIR / f"{path.name}.yaml").is_file():
+        path = CONFIG_DIR / f"{path.name}.yaml"  # --config=tiny_test
+    try:
+        return load_amoebanet_config([f"--config={path}"]
+                                     + [f"--{k}={v}" for k, v in overrides.items()])
+    except ConfigError as error:
+        raise ConfigError(f"{error}; run options: --resume, --max_steps=N") from None
 
 
 def optimizer_kwargs(config: AmoebaNetConfig) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 import gpipe_core as gp
 from apps.amoebanet.config import AmoebaNetConfig, build_model
 from apps.amoebanet.data import build_eval_loader
-from apps.common import Run
+from apps.harness.run import Run
 
 TRAIN_COMMAND = (
     "python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "

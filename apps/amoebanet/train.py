@@ -5,8 +5,8 @@
         [--resume] [--max_steps=N]
 
 With no ``--config`` the CPU default ``configs/cpu_fashion_mnist.yaml`` is used (a bare name such
-as ``--config=tiny_test`` means ``configs/tiny_test.yaml``). Two run options sit beside the config
-keys: ``--resume`` continues from ``out_dir``'s latest checkpoint, and ``--max_steps=N`` stops after
+as ``--config=tiny_test`` means ``configs/tiny_test.yaml``). Two of the config's keys are options
+of one run: ``--resume`` continues from ``out_dir``'s latest checkpoint, and ``--max_steps=N`` stops after
 N optimizer steps without shortening the learning-rate schedule (for tests and smoke runs).
 
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final evaluation
@@ -33,14 +33,12 @@ and optimizer moments as a run that never stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +50,10 @@ from torch import Tensor
 
 import gpipe_core as gp
 from apps.amoebanet.config import (
-    CONFIG_DIR,
-    DEFAULT_CONFIG,
     AmoebaNetConfig,
     build_model,
     load_amoebanet_config,
+    load_train_config,
     optimizer_kwargs,
     scheduler_kwargs,
 )
@@ -74,68 +71,26 @@ from apps.amoebanet.data import (
 )
 from apps.amoebanet.evaluate import TRAIN_COMMAND, evaluate_pipeline, write_report
 from apps.budget import RunLength
-from apps.common import (
-    Interrupt,
-    RunLogger,
-    check_loss,
-    check_out_dir,
-    check_resumable,
-    checkpoint_dir,
-    choose_balance,
-    load_train_state,
-    lock_out_dir,
-    on_rank0,
-    refuse_existing_run,
-    resume_checkpoint,
-    run_main,
-    setup_run,
-    write_checkpoint,
-)
-from apps.config import ConfigError, load_config, parse_overrides, save_config
+from apps.config import ConfigError
+from apps.harness.entry import run_main
+from apps.harness.guards import check_loss
+from apps.harness.loop import DATA_ENDED, STOP, TrainingLoop, every, find_resume, start_run
+from apps.harness.pipeline import choose_balance
+from apps.harness.rank0 import on_rank0
+from apps.harness.run import Run
 
 # Models up to this size are balanced by the measured time of each layer on rank 0 (a full
 # copy is materialized for it); larger ones by parameter count, so no rank holds the whole model.
 PROFILE_MAX_PARAMETERS = 50_000_000
-# Config keys a resumed run may change (apps.common.check_resumable): they touch neither the
+# Config keys a resumed run may change (apps.harness.checkpoints.check_resumable): they touch neither the
 # model, its partitioning nor the training stream; every other key must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
     "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
     "ckpt_every", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
     "budget_minutes", "train_steps",  # the length the checkpoint records is the one resumed
-    "goal_steps",
+    "goal_steps", "resume", "max_steps",  # run options
 })
-
-
-@dataclass
-class RunOptions:
-    """Options of one invocation that are not part of the model's config (not saved with it)."""
-
-    resume: bool = False  # continue from out_dir's latest checkpoint, exactly
-    max_steps: int = 0  # stop after this many optimizer steps, schedule unchanged (0 = at its end)
-
-
-# ---------------------------------------------------------------------------------------------
-# Config
-
-
-def parse_args(argv: Sequence[str]) -> tuple[RunOptions, AmoebaNetConfig]:
-    """Split ``--resume`` / ``--max_steps`` from the config keys; resolve and validate both."""
-    config_path, overrides = parse_overrides(argv)
-    run_keys = {f.name for f in dataclasses.fields(RunOptions)}
-    options = load_config(RunOptions, [f"--{k}={v}" for k, v in overrides.items() if k in run_keys])
-    path = Path(config_path) if config_path else DEFAULT_CONFIG
-    if not path.is_file() and (CONFIG_DIR / f"{path.name}.yaml").is_file():
-        path = CONFIG_DIR / f"{path.name}.yaml"  # --config=tiny_test
-    config_argv = [f"--config={path}"]
-    config_argv += [f"--{k}={v}" for k, v in overrides.items() if k not in run_keys]
-    try:
-        config = load_amoebanet_config(config_argv)
-    except ConfigError as error:
-        raise ConfigError(f"{error}; run options: --resume, --max_steps=N") from None
-    if options.max_steps < 0:
-        raise ConfigError(f"max_steps={options.max_steps} must be >= 0 (0 = no limit)")
-    return options, config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +116,27 @@ def prepare_fashion_mnist(config: AmoebaNetConfig) -> None:
 
     print(f"preparing Fashion-MNIST in {config.data_dir} (once; about 30 s)", flush=True)
     prepare(config.data_dir)
+
+
+def rng_states() -> dict[str, Any]:
+    """Python's, NumPy's and torch's global RNG states (saved in every checkpoint)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`rng_states` saved."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
+def targets_like(config: AmoebaNetConfig) -> Tensor:
+    """A batch's targets' shape and dtype, for the stages that do not read them: class ids, or
+    with mixup/cutmix ``[B, classes]`` float targets."""
+    soft_targets = build_mixup(config) is not None
+    shape = (config.batch_size, config.num_classes) if soft_targets else (config.batch_size,)
+    return torch.empty(shape, dtype=torch.float32 if soft_targets else torch.int64)
 
 
 def seed_process_rngs(*parts: object) -> None:
@@ -196,7 +172,8 @@ def train_batches(
 
 
 def amoebanet_balance(config: AmoebaNetConfig, device: torch.device) -> list[int]:
-    """``config.balance``, else by measured time (see :func:`apps.common.choose_balance`)."""
+    """``config.balance``, else by measured time
+    (see :func:`apps.harness.pipeline.choose_balance`)."""
     if config.balance is not None:
         return list(config.balance)
     micro_batch = max(1, config.batch_size // config.chunks)
@@ -206,63 +183,14 @@ def amoebanet_balance(config: AmoebaNetConfig, device: torch.device) -> list[int
                           max_parameters=PROFILE_MAX_PARAMETERS)
 
 
-# ---------------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
-    """Train; returns rank 0's summary (final top-1/top-5 included), None on other ranks."""
-    started = time.monotonic()
-
-    # --- config (errors here stop every rank before any process group exists) -------------
-    options, config = parse_args(sys.argv[1:] if argv is None else argv)
-    check_dataset(config)
-    check_out_dir(Path(config.out_dir))  # every rank, before any process group: one line
-    # one thread per rank: the stages are the parallelism on CPU; every collective fails within
-    # timeout_s (naming the rank that hangs); the one long wait, for rank 0 to prepare the data,
-    # is on the store instead (on_rank0)
-    run = setup_run(num_stages=config.num_stages, device="auto", num_threads=1,
-                    timeout_s=config.timeout_s, pin_cpus=config.pin_cpus,
-                    hold_memory=config.hold_memory)
-    rank, world_size, device = run.rank, run.world_size, run.device
-    num_replicas, replica, master, say = run.num_replicas, run.replica, run.master, run.say
-    use_cuda = device.type == "cuda"
-    out_dir = Path(config.out_dir)
-
-    # one run per out_dir at a time: rank 0 holds its lock until it exits
-    on_rank0(lambda: lock_out_dir(out_dir), what="locking out_dir")
-
-    # --- data: Fashion-MNIST prepared once by rank 0; the others wait ---------------------
-    on_rank0(lambda: prepare_fashion_mnist(config), what="preparing Fashion-MNIST")
-    check_dataset(config)
-    classes = class_names(config)
-    train_images = num_images(config, config.train_split)
-    updates_per_epoch = train_images // (config.batch_size * num_replicas)
-    if updates_per_epoch < 1:
-        raise ConfigError(
-            f"split {config.train_split!r} has {train_images} images, fewer than one step "
-            f"(batch_size={config.batch_size} x {num_replicas} replica(s)); lower batch_size"
-        )
-    train_loss = build_train_loss(config)
-    soft_targets = build_mixup(config) is not None  # mixup/cutmix: [B, classes] float targets
-
-    # --- resume: what the checkpoint fixes (balance, counters) ------------------------------
-    resume_dir: Path | None = None
-    state: dict[str, Any] = {}
-    if options.resume:
-        # the newest checkpoint whose files all verify (an older one, with a warning, if the
-        # newest is damaged)
-        resume_dir = resume_checkpoint(out_dir, train_command=TRAIN_COMMAND.format(
-            out_dir=out_dir), verbose=master)
-        saved = load_amoebanet_config([f"--config={resume_dir / 'config.yaml'}"])
-        check_resumable(saved, config, may_change=RESUMABLE_CHANGES, checkpoint=resume_dir)
-        state = load_train_state(resume_dir, rank, world_size)
-    else:
-        refuse_existing_run(out_dir)
-
-    # --- model: built on meta; each rank materializes only its own stage ------------------
+def amoebanet_pipeline(config: AmoebaNetConfig, run: Run, balance: list[int]
+                       ) -> tuple[gp.DistributedGPipe, int]:
+    """The model built on meta, each rank materializing only its own stage; its parameter
+    count. Micro-batch BatchNorm keeps mini-batch running statistics."""
     model = build_model(config, device="meta")
     num_params = sum(p.numel() for p in model.parameters())
-    balance = list(state["balance"]) if state else amoebanet_balance(config, device)
+    train_loss = build_train_loss(config)
+    soft_targets = build_mixup(config) is not None  # mixup/cutmix: [B, classes] float targets
 
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
         # evaluation passes integer labels even when training mixes them into soft targets
@@ -278,174 +206,248 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         schedule=config.schedule,
         loss_fn=loss_fn,
         group=run.pipeline_group,
-        data_parallel_group=run.data_group if num_replicas > 1 else None,
-        device=device,
+        data_parallel_group=run.data_group if run.num_replicas > 1 else None,
+        device=run.device,
         seed=config.seed,
         deferred_batch_norm=True,  # per-micro-batch statistics, mini-batch running statistics
         quiet_io=config.quiet_io,
     )
-    del model
+    return pipe, num_params
 
-    # --- optimizer and learning-rate schedule from timm's factories -----------------------
+
+def steps_per_epoch(config: AmoebaNetConfig, train_images: int, num_replicas: int) -> int:
+    """Optimizer steps per pass over the training split (a ConfigError if not even one)."""
+    steps = train_images // (config.batch_size * num_replicas)
+    if steps < 1:
+        raise ConfigError(
+            f"split {config.train_split!r} has {train_images} images, fewer than one step "
+            f"(batch_size={config.batch_size} x {num_replicas} replica(s)); lower batch_size"
+        )
+    return steps
+
+
+def optimization(config: AmoebaNetConfig, pipe: gp.DistributedGPipe, state: dict[str, Any],
+                 updates_per_epoch: int) -> tuple[torch.optim.Optimizer, RunLength]:
+    """timm's optimizer over this stage's parameters, and the run's length (apps/budget.py):
+    given, fitted to budget_minutes after the first steps (all inside warm-up, which does not
+    depend on it), or epochs; the learning-rate schedule spans it (:func:`make_scheduler`).
+
+    Per-parameter optimizers (AdamW, RMSProp, SGD) on each stage's parameters equal one
+    optimizer over the whole model; weight decay skips biases and BatchNorm as timm does."""
     from timm.optim import create_optimizer_v2
-    from timm.scheduler import create_scheduler_v2
 
-    # per-parameter optimizers (AdamW, RMSProp, SGD) on each stage's parameters equal one
-    # optimizer over the whole model; weight decay skips biases and BatchNorm as timm does
     optimizer = create_optimizer_v2(pipe, **optimizer_kwargs(config))
-    # the run's length (apps/budget.py): given, fitted to budget_minutes after the first steps
-    # (all inside warm-up, which does not depend on it), or epochs; the schedule spans it
     length = RunLength(train_steps=config.train_steps, budget_minutes=config.budget_minutes,
                        cap=config.epochs * updates_per_epoch, cap_name=f"epochs={config.epochs}",
                        warmup_steps=config.warmup_epochs * updates_per_epoch,
                        step=state.get("step", 0), saved_steps=state.get("train_steps", 0),
                        goal_steps=config.goal_steps)
+    return optimizer, length
+
+
+def make_scheduler(config: AmoebaNetConfig, optimizer: torch.optim.Optimizer,
+                   updates_per_epoch: int, train_steps: int) -> Any:
+    """timm's learning-rate schedule over ``train_steps`` updates."""
+    from timm.scheduler import create_scheduler_v2
+
     scheduler, _ = create_scheduler_v2(
-        optimizer, **scheduler_kwargs(config, updates_per_epoch, length.steps))
+        optimizer, **scheduler_kwargs(config, updates_per_epoch, train_steps))
+    return scheduler
+
+
+def rank0_stop(config: AmoebaNetConfig, step: int, length: RunLength, *, started: float,
+               reserve_s: float) -> str:
+    """Why rank 0 ends the run before the next step ("" to go on): the run's length,
+    ``max_steps``, or the clock (``max_minutes``, keeping ``reserve_s`` for the final
+    evaluation)."""
+    if step >= length.steps:
+        return length.stop_reason
+    if config.max_steps and step >= config.max_steps:
+        return f"max_steps={config.max_steps}"
+    if config.max_minutes:
+        left = 60 * config.max_minutes - (time.monotonic() - started)
+        if step > 0 and left < reserve_s:
+            return f"max_minutes={config.max_minutes:g}"
+    return ""
+
+
+def train_step(pipe: gp.DistributedGPipe, run: Run, optimizer: torch.optim.Optimizer,
+               batch: Batch | None, target_like: Tensor, autocast: AbstractContextManager[Any],
+               *, step: int) -> float:
+    """One optimizer step on the first stage's ``batch`` (None elsewhere): its targets sent to
+    the last stage, forward + backward through the pipeline, the loss averaged over replicas."""
+    with gp.collectives(f"targets of step {step + 1}"):
+        targets = run.broadcast_from_first_stage(batch[1] if batch is not None else None,
+                                                 target_like)
+    optimizer.zero_grad(set_to_none=True)
+    with autocast:
+        loss = pipe.step(batch[0] if batch is not None else None,
+                         targets if pipe.is_last else None)
+    if run.num_replicas > 1:
+        with gp.collectives(f"loss of step {step + 1}"):
+            dist.all_reduce(loss, group=run.data_group)
+        loss /= run.num_replicas
+    optimizer.step()
+    return float(loss)
+
+
+class Evaluation:
+    """Top-1 / top-5 on a split through the training pipeline (``evaluate_pipeline``), timed so
+    that the clock can keep time for the final one (:meth:`reserve_s`)."""
+
+    def __init__(self, pipe: gp.DistributedGPipe, config: AmoebaNetConfig, run: Run,
+                 autocast: AbstractContextManager[Any], classes: list[str]) -> None:
+        self.pipe, self.config, self.run, self.autocast = pipe, config, run, autocast
+        self.classes = classes
+        self.images = num_images(config, config.eval_split)
+        self.seconds_per_image: float | None = None
+
+    def __call__(self, split: str, step: int) -> dict[str, Any]:
+        begin = time.monotonic()
+        with gp.collectives(f"evaluation on {split} at step {step}"):
+            metrics = evaluate_pipeline(self.pipe, self.config, self.run, split, self.autocast)
+        self.seconds_per_image = (time.monotonic() - begin) / max(metrics.images, 1)
+        return metrics.report(self.classes, split=split)
+
+    def reserve_s(self, images_per_second: float) -> float:
+        """Seconds to keep for the final checkpoint and evaluation."""
+        per_image = self.seconds_per_image
+        if per_image is None:  # forward only: assume 3x the training throughput
+            per_image = 1.0 / max(3.0 * images_per_second, 1e-3)
+        return 1.25 * self.images * per_image + 60.0  # + start-up, checkpoint, wandb, exit
+
+
+def summarize(config: AmoebaNetConfig, report: dict[str, Any], *, step: int,
+              updates_per_epoch: int, images_seen: int, train_seconds: float, started: float,
+              stop_reason: str, length: RunLength, balance: list[int], num_params: int,
+              path: Path) -> dict[str, Any]:
+    """Rank 0's summary.json."""
+    return {
+        "steps": step,
+        "epochs": round(step / updates_per_epoch, 3),
+        "images": images_seen,
+        "images_per_second": round(images_seen / max(train_seconds, 1e-9), 1),
+        "train_minutes": round(train_seconds / 60, 2),
+        "total_minutes": round((time.monotonic() - started) / 60, 2),
+        "stopped_by": stop_reason or f"epochs={config.epochs}",
+        # the run's length and how it was chosen (apps/budget.py)
+        "budget": length.choice.to_json() if length.choice is not None else None,
+        "balance": balance,
+        "parameters": num_params,
+        "checkpoint": str(path),
+        "split": config.eval_split,
+        "top1": report["top1"],
+        "top5": report["top5"],
+        "loss": report["loss"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """Train; returns rank 0's summary (final top-1/top-5 included), None on other ranks."""
+    started = time.monotonic()
+
+    # --- config and run (config errors stop every rank before any process group exists) ---
+    config = load_train_config(sys.argv[1:] if argv is None else argv)
+    check_dataset(config)
+    # one thread per rank: the stages are the parallelism on CPU
+    run = start_run(config, device="auto", num_threads=1)
+    num_replicas, master, say, device = run.num_replicas, run.master, run.say, run.device
+    images_per_step = config.batch_size * num_replicas
+
+    # --- data: Fashion-MNIST prepared once by rank 0; the others wait ---------------------
+    on_rank0(lambda: prepare_fashion_mnist(config), what="preparing Fashion-MNIST")
+    check_dataset(config)
+    classes = class_names(config)
+    train_images = num_images(config, config.train_split)
+    updates_per_epoch = steps_per_epoch(config, train_images, num_replicas)
+
+    # --- resume (the balance and counters), model, optimizer and schedule (timm) ------------
+    resume_dir, state = find_resume(config, run, load_config=load_amoebanet_config,
+                                    train_command=TRAIN_COMMAND.format(out_dir=config.out_dir),
+                                    may_change=RESUMABLE_CHANGES)
+    balance = list(state["balance"]) if state else amoebanet_balance(config, device)
+    pipe, num_params = amoebanet_pipeline(config, run, balance)
+    optimizer, length = optimization(config, pipe, state, updates_per_epoch)
+    scheduler = make_scheduler(config, optimizer, updates_per_epoch, length.steps)
     autocast: AbstractContextManager[Any] = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda else nullcontext()
-    )
-    say(
-        f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}): "
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
+    say(f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}): "
         f"{num_params:,} parameters, {sum(balance)} layers; {config.num_stages} "
         f"stages, balance {balance}, {config.chunks} micro-batches, schedule {config.schedule}, "
-        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {world_size} rank(s) on "
-        f"{device.type}; {config.dataset}: {train_images:,} train images, {updates_per_epoch} "
-        f"steps per epoch of {config.batch_size * num_replicas}"
-    )
-
-    # --- resume: weights, optimizer, scheduler, data position, RNGs -----------------------
+        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {run.world_size} rank(s) "
+        f"on {device.type}; {config.dataset}: {train_images:,} train images, "
+        f"{updates_per_epoch} steps per epoch of {images_per_step}")
     step, epoch, batch_in_epoch, images_seen, train_seconds = 0, 0, 0, 0, 0.0
-    if resume_dir is not None:
+    if resume_dir is not None:  # weights, optimizer, scheduler, data position, RNGs
         pipe.load_checkpoint(resume_dir)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         images_seen, train_seconds = state["images_seen"], state["train_seconds"]
         pipe.steps_done = state["pipe_steps"]  # seeds drop-path: must continue, not restart
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        set_rng_states(state["rng"])
         say(f"resumed from {resume_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
-    with gp.collectives("start of training"):
-        dist.barrier()
-    if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, out_dir / "config.yaml")
-    logger = RunLogger(config, out_dir, resume_step=step, enabled=master)
 
-    def save(step: int) -> Path:
-        """Checkpoint: shards, per-rank state (RNGs included), config and run.json (collective)."""
+    def checkpoint_state(step: int) -> tuple[dict[str, Any], dict[str, str]]:
+        """Per-rank state (RNGs included), and run.json (rank 0's file)."""
         state = {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": step,
-            "epoch": epoch,
-            "batch_in_epoch": batch_in_epoch,
-            "images_seen": images_seen,
-            "train_seconds": train_seconds,
-            "pipe_steps": pipe.steps_done,
-            "train_steps": length.recorded_steps,
-            "balance": balance,
-            "world_size": world_size,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state()},
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "images_seen": images_seen, "train_seconds": train_seconds,
+            "pipe_steps": pipe.steps_done, "train_steps": length.recorded_steps,
+            "balance": balance, "world_size": run.world_size,
+            "rng": rng_states(),
         }
         run_json = json.dumps({
             "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-            "balance": balance, "num_stages": config.num_stages, "world_size": world_size,
+            "balance": balance, "num_stages": config.num_stages, "world_size": run.world_size,
             "classes": classes, "parameters": num_params,
         }, indent=1) + "\n"
-        # the checkpoint's config records the run's length once it is known
-        saved_config = dataclasses.replace(config, train_steps=state["train_steps"])
-        return write_checkpoint(out_dir, step, pipe, state, saved_config, rank=rank,
-                                files={"run.json": run_json})
+        return state, {"run.json": run_json}
 
-    eval_seconds_per_image: float | None = None
-    eval_images = num_images(config, config.eval_split)
-
-    def run_eval(split: str) -> dict[str, Any]:
-        nonlocal eval_seconds_per_image
-        begin = time.monotonic()
-        with gp.collectives(f"evaluation on {split} at step {step}"):
-            metrics = evaluate_pipeline(pipe, config, run, split, autocast)
-        eval_seconds_per_image = (time.monotonic() - begin) / max(metrics.images, 1)
-        return metrics.report(classes, split=split)
-
-    def final_eval_reserve(images_per_second: float) -> float:
-        """Seconds to keep for the final checkpoint and evaluation."""
-        per_image = eval_seconds_per_image
-        if per_image is None:  # forward only: assume 3x the training throughput
-            per_image = 1.0 / max(3.0 * images_per_second, 1e-3)
-        return 1.25 * eval_images * per_image + 60.0  # + start-up, checkpoint, wandb, exit
+    evaluation = Evaluation(pipe, config, run, autocast, classes)
+    loop = TrainingLoop(config, run, pipe, length=length, step=step, started=started,
+                        checkpoint_state=checkpoint_state)
 
     # --- training loop ----------------------------------------------------------------------
-    from tqdm import tqdm
-
     def bar_total() -> int:
-        return min(length.steps, options.max_steps) if options.max_steps else length.steps
+        return min(length.steps, config.max_steps) if config.max_steps else length.steps
 
-    if master and length.decided:
-        say(length.choice.explain())  # type: ignore[union-attr]
-    bar = tqdm(total=bar_total(), initial=step, disable=not master, dynamic_ncols=True,
-               file=sys.stderr, mininterval=2.0, unit="step")
-    window_loss, window_steps, window_start = 0.0, 0, time.monotonic()
+    bar = loop.progress_bar(total=bar_total(), initial=step)
     run_images_per_second = images_seen / train_seconds if train_seconds else 0.0
-    last_saved = step if options.resume else -1
     stop_reason = ""
-    batch_shape = (config.batch_size, config.num_classes) if soft_targets else (config.batch_size,)
-    target_like = torch.empty(batch_shape, dtype=torch.float32 if soft_targets else torch.int64)
-    # from here SIGINT / SIGTERM checkpoint at a step all ranks agree on, then exit
-    interrupt = Interrupt()
+    target_like = targets_like(config)
     while epoch < config.epochs and not stop_reason:
         epoch_first_step = step
         batches = None
         if pipe.is_first:
-            batches = train_batches(config, epoch, skip=batch_in_epoch, replica=replica,
+            batches = train_batches(config, epoch, skip=batch_in_epoch, replica=run.replica,
                                     num_replicas=num_replicas)
         while True:
             # stop: max_steps, or rank 0's clock (keeping time for the final evaluation)
             tick = time.monotonic()  # training time counts loading, not checkpoints or evals
-            length.tick(step)
-            if length.due(step):  # fix the run's length (a collective); the schedule spans it
-                choice = length.decide(
-                    step=step, elapsed_s=time.monotonic() - started, master=master,
-                    reserve_s=lambda per_step: final_eval_reserve(
-                        config.batch_size * num_replicas / per_step), device=device)
-                scheduler, _ = create_scheduler_v2(
-                    optimizer, **scheduler_kwargs(config, updates_per_epoch, choice.train_steps))
-                if master:
-                    bar.total = bar_total()
-                    bar.write(choice.explain(f" ({choice.train_steps / updates_per_epoch:.2f} "
-                                             "epochs)"))
-                    bar.refresh()
+            choice = loop.budget(step, reserve_s=lambda per_step: evaluation.reserve_s(
+                images_per_step / per_step))
+            if choice is not None:  # the run's length is fixed; the schedule spans it
+                scheduler = make_scheduler(config, optimizer, updates_per_epoch,
+                                           choice.train_steps)
+                loop.announce(choice.explain(f" ({choice.train_steps / updates_per_epoch:.2f} "
+                                             "epochs)"), total=bar_total())
             batch = next(batches, None) if batches is not None else None
-            keep_going = True
             if master:
-                if step >= length.steps:
-                    stop_reason = length.stop_reason
-                elif options.max_steps and step >= options.max_steps:
-                    stop_reason = f"max_steps={options.max_steps}"
-                elif config.max_minutes:
-                    left = 60 * config.max_minutes - (time.monotonic() - started)
-                    if step > 0 and left < final_eval_reserve(run_images_per_second):
-                        stop_reason = f"max_minutes={config.max_minutes:g}"
-                keep_going = not stop_reason
+                stop_reason = rank0_stop(config, step, length, started=started,
+                                         reserve_s=evaluation.reserve_s(run_images_per_second))
             # the epoch ends for everyone as soon as one replica's shards run dry; a signal on
             # any rank stops every rank at this step, with a checkpoint
-            flags = torch.tensor([int(batch is not None or not pipe.is_first), int(keep_going),
-                                  int(not interrupt.requested)], device=device)
-            with gp.collectives(f"stop decision before step {step + 1}"):
-                dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-            if not flags[2]:
-                path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
-                bar.close()
-                logger.close()
-                raise interrupt.stop(step=step, checkpoint=path, master=master)
-            if not flags[1]:
+            vote = loop.vote(step, stop=bool(stop_reason),
+                             data_ended=pipe.is_first and batch is None)
+            if vote == STOP:
                 stop_reason = stop_reason or "stopped by rank 0"
                 break
-            if not flags[0]:
+            if vote == DATA_ENDED:
                 epoch, batch_in_epoch = epoch + 1, 0
                 break
 
@@ -454,115 +456,75 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             lr = optimizer.param_groups[0]["lr"]
 
             # forward + backward through the pipeline; the targets travel first -> last stage
-            with gp.collectives(f"targets of step {step + 1}"):
-                targets = run.broadcast_from_first_stage(batch[1] if batch is not None else None, target_like)
-            optimizer.zero_grad(set_to_none=True)
-            with autocast:
-                loss = pipe.step(batch[0] if batch is not None else None,
-                                 targets if pipe.is_last else None)
-            if num_replicas > 1:
-                with gp.collectives(f"loss of step {step + 1}"):
-                    dist.all_reduce(loss, group=run.data_group)
-                loss /= num_replicas
-            optimizer.step()
+            loss_value = train_step(pipe, run, optimizer, batch, target_like, autocast, step=step)
             step += 1
             batch_in_epoch += 1
-            images_seen += config.batch_size * num_replicas
+            images_seen += images_per_step
             train_seconds += time.monotonic() - tick
             run_images_per_second = images_seen / max(train_seconds, 1e-9)
 
             # log: every step to log.jsonl; every log_every steps the bar and wandb
-            loss_value = float(loss)
             # divergence: a non-finite loss, or one beyond max_loss_factor x ln(num_classes)
             check_loss(loss_value, step=step, num_classes=config.num_classes,
                        factor=config.max_loss_factor,
                        fix=f"lower lr={config.lr} or raise warmup_epochs={config.warmup_epochs}")
-            window_loss += loss_value
-            window_steps += 1
-            logger.step({"step": step, "epoch": epoch, "loss": loss_value, "lr": lr})
+            loop.window.add(loss_value, images_per_step)
+            loop.logger.step({"step": step, "epoch": epoch, "loss": loss_value, "lr": lr})
             bar.update(1)
-            if step % config.log_every == 0:
-                elapsed = time.monotonic() - window_start
-                images_per_second = window_steps * config.batch_size * num_replicas / elapsed
-                logger.metrics({
-                    "train/loss": window_loss / window_steps,
-                    "train/lr": lr,
+            if every(step, config.log_every):
+                images_per_second = loop.window.per_second()
+                loop.logger.metrics({
+                    "train/loss": loop.window.mean_loss, "train/lr": lr,
                     "train/images_per_second": images_per_second,
-                    "train/epoch": step / updates_per_epoch,
-                    "train/minutes": train_seconds / 60,
+                    "train/epoch": step / updates_per_epoch, "train/minutes": train_seconds / 60,
                 }, step)
-                bar.set_postfix(loss=f"{window_loss / window_steps:.3f}",
+                bar.set_postfix(loss=f"{loop.window.mean_loss:.3f}",
                                 img_s=f"{images_per_second:.0f}", lr=f"{lr:.2e}",
                                 epoch=f"{step / updates_per_epoch:.2f}", refresh=False)
-                window_loss, window_steps, window_start = 0.0, 0, time.monotonic()
+                loop.window.reset()
 
             # checkpoint every ckpt_every steps as well as at epoch ends
-            if config.ckpt_every and step % config.ckpt_every == 0:
-                save(step)
-                last_saved = step
+            loop.step_end(step, checkpoint_due=every(step, config.ckpt_every), eval_due=False)
 
         # end of an epoch: checkpoint, and evaluate every eval_every_epochs (not after the last:
         # the final evaluation follows the loop)
         if batch_in_epoch == 0 and not stop_reason and step != epoch_first_step:
-            if step != last_saved:
-                save(step)
-                last_saved = step
-            due = config.eval_every_epochs and epoch % config.eval_every_epochs == 0
-            if due and step < length.steps:
-                report = run_eval(config.eval_split)
+            if loop.step_end(step, checkpoint_due=True,
+                             eval_due=every(epoch, config.eval_every_epochs)):
+                report = evaluation(config.eval_split, step)
                 if master:
                     bar.write(f"epoch {epoch}: {config.eval_split} top-1 "
                               f"{100 * report['top1']:.2f}% top-5 {100 * report['top5']:.2f}% "
                               f"loss {report['loss']:.4f}")
-                logger.metrics({f"{config.eval_split}/top1": report["top1"],
-                                f"{config.eval_split}/top5": report["top5"],
-                                f"{config.eval_split}/loss": report["loss"]}, step)
-            window_start = time.monotonic()  # the images/s window excludes checkpoint and eval
+                loop.logger.metrics({f"{config.eval_split}/{key}": report[key]
+                                     for key in ("top1", "top5", "loss")}, step)
+            loop.window.restart_clock()  # the images/s window excludes checkpoint and eval
     bar.close()
 
     # --- final checkpoint and evaluation through the pipeline -----------------------------
-    path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
+    path = loop.checkpoint(step)
     if stop_reason.startswith("max_minutes"):
         say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step {step} "
             f"of {length.steps}: its learning-rate schedule did not end, so this is not the "
             "budgeted run's result (budget_minutes fits a run to a time instead)")
-    say(
-        f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} images) "
+    say(f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} images) "
         f"in {train_seconds / 60:.1f} min, {images_seen / max(train_seconds, 1e-9):.0f} "
-        f"images/s; stopped by {stop_reason or f'epochs={config.epochs}'}; checkpoint {path}"
-    )
-    report = run_eval(config.eval_split)
+        f"images/s; stopped by {stop_reason or f'epochs={config.epochs}'}; checkpoint {path}")
+    report = evaluation(config.eval_split, step)
     summary = None
     if master:
-        write_report(report, out_dir / f"eval_{config.eval_split}")
-        summary = {
-            "steps": step,
-            "epochs": round(step / updates_per_epoch, 3),
-            "images": images_seen,
-            "images_per_second": round(images_seen / max(train_seconds, 1e-9), 1),
-            "train_minutes": round(train_seconds / 60, 2),
-            "total_minutes": round((time.monotonic() - started) / 60, 2),
-            "stopped_by": stop_reason or f"epochs={config.epochs}",
-            # the run's length and how it was chosen (apps/budget.py)
-            "budget": length.choice.to_json() if length.choice is not None else None,
-            "balance": balance,
-            "parameters": num_params,
-            "checkpoint": str(path),
-            "split": config.eval_split,
-            "top1": report["top1"],
-            "top5": report["top5"],
-            "loss": report["loss"],
-        }
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        logger.metrics({f"{config.eval_split}/final_top1": report["top1"],
-                        f"{config.eval_split}/final_top5": report["top5"]}, step)
+        write_report(report, Path(config.out_dir) / f"eval_{config.eval_split}")
+        summary = summarize(config, report, step=step, updates_per_epoch=updates_per_epoch,
+                            images_seen=images_seen, train_seconds=train_seconds,
+                            started=started, stop_reason=stop_reason, length=length,
+                            balance=balance, num_params=num_params, path=path)
+        loop.write_summary(summary)
+        loop.logger.metrics({f"{config.eval_split}/final_top1": report["top1"],
+                             f"{config.eval_split}/final_top5": report["top5"]}, step)
         say(f"{config.eval_split} top-1: {100 * report['top1']:.2f}%  top-5: "
             f"{100 * report['top5']:.2f}%  ({report['images']:,} images; "
             f"total wall time {summary['total_minutes']} min)")
-    logger.close()
-    on_rank0(lambda: None, what="the end of the run")  # the others wait for rank 0's report
-    interrupt.restore()
-    dist.destroy_process_group()
+    loop.end()
     return summary
 
 

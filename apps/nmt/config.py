@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from apps.common import check_pipeline_options
 from apps.config import ConfigError, load_config, parse_overrides
+from apps.harness.pipeline import check_pipeline_options
 from apps.nmt.model import NORMS, transformer
 
 CONFIG_DIR = Path(__file__).parent / "configs"

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import gpipe_core as gp
-from apps import common
-from apps.common import CheckpointError
 from apps.config import ConfigError
+from apps.harness import checkpoints
+from apps.harness.checkpoints import CheckpointError
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import (
     RESOURCE_BUCKETS,
@@ -69,7 +69,7 @@ TRAIN_COMMAND = (
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory behind ``path``: a run's out_dir (its ``latest``) or a step dir."""
-    return common.resolve_checkpoint(path, train_command=f"{TRAIN_COMMAND} --out_dir={path}")
+    return checkpoints.resolve_checkpoint(path, train_command=f"{TRAIN_COMMAND} --out_dir={path}")
 
 
 def load_model(config: NMTConfig, checkpoint_dir: str | Path, device: torch.device) -> nn.Sequential:
@@ -114,7 +114,7 @@ def load_checkpoint(ckpt: str | Path, *, data_dir: str | None = None,
     the checkpoint was trained with (TokenizerMismatch). ``model=False`` skips the weights.
     """
     path = resolve_checkpoint(ckpt)
-    common.require_app(path, "nmt")
+    checkpoints.require_app(path, "nmt")
     config_path = path / "config.yaml"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.yaml; was it written by apps.nmt.train?")

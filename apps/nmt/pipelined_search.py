@@ -26,9 +26,10 @@ stages with the decoder states (each stage reorders its caches by them, stage 0 
 tokens). A group's first round also carries its encoder states down the stages. A finished
 group is sent round once more as zero rows and leaves every stage's rotation at the same point
 (its place goes to the next waiting batch). At the end the last stage sends the hypotheses to
-every rank. Messages are point to point (``isend``/``irecv``, one tag per group and kind), each
-receive posted as soon as its size is known, every wait bounded by the pipe's ``timeout_s``: a
-stage that fails or hangs is named (``gpipe_core.failure``), nothing hangs.
+every rank. Messages go over the pipe's point-to-point channel (``pipe.channel()``,
+``gpipe_core.Channel``: one tag per group and kind), each receive posted as soon as its size is
+known, every wait bounded by the pipe's ``timeout_s``: a stage that fails or hangs is named
+(``gpipe_core.failure``), nothing hangs.
 
 The layers and the search are the plain model's, so the hypotheses and scores equal the
 one-process search on the same groups bit for bit: ``search_hypotheses(model, src_ids,
@@ -45,25 +46,23 @@ run the pipe in eval mode (and restore it).
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 import gpipe_core as gp
 from apps.nmt.model import DecoderLayer, Embed, EncoderLayer, LayerCache, Project
 from apps.nmt.search import Hypothesis, Search, new_search, split_groups
-from gpipe_core.failure import PipelineFailure, peer_failure, report_failure
+from gpipe_core.channel import Posted
+from gpipe_core.failure import PipelineFailure, report_failure
 
 if TYPE_CHECKING:
-    from apps.common import Run
+    from apps.harness.run import Run
     from apps.nmt.config import NMTConfig
     from apps.nmt.evaluate import LoadedCheckpoint
 
@@ -71,14 +70,13 @@ __all__ = ["PipelineSearch", "default_groups", "default_in_flight", "load_pipeli
            "pipeline_search",
            "pipelined_beam_search", "pipelined_search_batches", "pipelined_search_hypotheses"]
 
-# Message kinds; a message's tag is _TAG_BASE + 4 * group + kind (above gpipe_core.transport's
-# tags), so messages of different groups can never be taken for each other.
+# Message kinds; a message's tag on the channel is 4 * group + kind, so messages of different
+# groups can never be taken for each other.
 _ENCODED, _DECODED, _DECIDED, _RESULT = range(4)
-_TAG_BASE = 1 << 10
 
 
 def _tag(group: int, kind: int) -> int:
-    return _TAG_BASE + 4 * group + kind
+    return 4 * group + kind
 
 
 def default_groups(num_stages: int, batch_size: int) -> int:
@@ -107,13 +105,14 @@ class _Group:
     memory: Tensor | None = None  # [Bg, S, D] until the first step has filled the caches
     src_pad: Tensor | None = None  # [Bg, S], then per row [rows, S]
     decided: tuple[int, Tensor, Tensor] | None = None  # one stage only: the last decisions
-    posted: tuple[Any, Tensor] | None = None  # the receive of its next decoding message
-    posted_memory: tuple[Any, Tensor] | None = None  # the receive of its encoder states
+    posted: Posted | None = None  # the receive of its next decoding message
+    posted_memory: Posted | None = None  # the receive of its encoder states
     finished: bool = False  # the last stage: its search is done
 
 
-class _Ring:
-    """This rank's stage in the decoding ring: its layers, its neighbours, its messages."""
+class _StageDecoder:
+    """This rank's stage in the decoding ring: its layers, its neighbours, the search's turns
+    (its messages go over the pipe's ``gpipe_core.Channel``)."""
 
     def __init__(self, pipe: gp.DistributedGPipe, *, pad_id: int) -> None:
         layers = list(pipe)
@@ -131,7 +130,6 @@ class _Ring:
             self.decoders[0].memory_norm is not None)
         self.pad_id = pad_id
         self.stage, self.num_stages = pipe.stage_index, pipe.num_stages
-        self.ranks = pipe.stage_ranks
         self.is_first, self.is_last = pipe.is_first, pipe.is_last
         self.following = self.stage + 1 if not self.is_last else None
         last = self.num_stages - 1
@@ -140,50 +138,14 @@ class _Ring:
         self.device = pipe.device
         self.dtype = next(pipe.parameters()).dtype
         self.width = _model_width(layers)
-        self.policy = pipe.transport.policy
-        self.timeout_s = pipe.timeout_s
-        self.timeout = datetime.timedelta(seconds=pipe.timeout_s)
-        self.sends: list[tuple[Any, Tensor]] = []  # in flight; the buffer kept alive till sent
+        self.channel = pipe.channel("pipelined decoding")
         self.no_memory = torch.empty(0, dtype=self.dtype, device=self.device)
 
-    # -- messages ------------------------------------------------------------------------
+    # -- messages (over the pipe's channel) ------------------------------------------------
 
-    def _where(self) -> str:
-        return f"rank {self.ranks[self.stage]} (stage {self.stage}) in pipelined decoding"
-
-    def send(self, tensor: Tensor, stage: int, tag: int) -> None:
-        try:
-            work = self.policy.call(dist.isend, tensor, self.ranks[stage], tag)
-        except RuntimeError as exc:
-            raise peer_failure(self._where(), exc, self.timeout_s) from exc
-        still = []
-        for sent in self.sends:  # free the buffers of sends that have left
-            if sent[0].is_completed():
-                self._wait(sent, stage)
-            else:
-                still.append(sent)
-        self.sends = [*still, (work, tensor)]
-
-    def post(self, buffer: Tensor, stage: int, tag: int) -> tuple[Any, Tensor]:
-        try:
-            return self.policy.call(dist.irecv, buffer, self.ranks[stage], tag), buffer
-        except RuntimeError as exc:
-            raise peer_failure(self._where(), exc, self.timeout_s) from exc
-
-    def _wait(self, posted: tuple[Any, Tensor] | None, stage: int) -> Tensor:
+    def _wait(self, posted: Posted | None) -> Tensor:
         assert posted is not None, "a message was taken before its receive was posted"
-        work, buffer = posted
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise peer_failure(f"{self._where()}, waiting for stage {stage},", exc,
-                               self.timeout_s) from exc
-        return buffer
-
-    def finish(self) -> None:
-        sends, self.sends = self.sends, []
-        for sent in sends:
-            self._wait(sent, self.stage)
+        return self.channel.wait(posted)
 
     # Decisions: int64 [1 + 2 * capacity]: rows, then the rows' parents and newest tokens,
     # padded to ``capacity`` (the rows of the step before, which both sides know). A decoding
@@ -199,11 +161,11 @@ class _Ring:
             return
         if self.is_first:
             buffer = torch.empty(1 + 2 * group.rows, dtype=torch.long, device=self.device)
-            group.posted = self.post(buffer, self.source, _tag(group.index, _DECIDED))
+            group.posted = self.channel.post(buffer, self.source, _tag(group.index, _DECIDED))
         else:
             buffer = torch.empty(self._decoded_bytes(group.rows), dtype=torch.uint8,
                                  device=self.device)
-            group.posted = self.post(buffer, self.source, _tag(group.index, _DECODED))
+            group.posted = self.channel.post(buffer, self.source, _tag(group.index, _DECODED))
 
     @staticmethod
     def _decisions(rows: int, parent: Tensor | None, tokens: Tensor, capacity: int) -> Tensor:
@@ -227,7 +189,8 @@ class _Ring:
             batch, src_len = group.src_ids.shape
             buffer = torch.empty(batch, src_len, self.width, dtype=self.dtype,
                                  device=self.device)
-            group.posted_memory = self.post(buffer, self.source, _tag(group.index, _ENCODED))
+            group.posted_memory = self.channel.post(buffer, self.source,
+                                                    _tag(group.index, _ENCODED))
         if not self.is_first:
             self._post_next(group)
 
@@ -235,7 +198,7 @@ class _Ring:
         if self.embed is not None:
             state, src_pad = self.embed.embed_source(group.src_ids)
         else:
-            state = self._wait(group.posted_memory, self.stage - 1)
+            state = self._wait(group.posted_memory)
             group.posted_memory = None
             src_pad = group.src_ids.eq(self.pad_id)
         for encoder in self.encoders:
@@ -243,7 +206,7 @@ class _Ring:
         if self.first_decoder_here:
             state = self.decoders[0].prepare_memory(state)
         if self.following is not None:
-            self.send(state.contiguous(), self.following, _tag(group.index, _ENCODED))
+            self.channel.send(state.contiguous(), self.following, _tag(group.index, _ENCODED))
         # kept only by stages with decoder layers (all after prepare_memory)
         group.memory = state if self.decoders else None
         group.src_pad = src_pad
@@ -269,10 +232,10 @@ class _Ring:
             assert group.decided is not None
             rows, parent, tokens = group.decided
         elif self.is_first:
-            header = self._wait(group.posted, self.source)  # type: ignore[arg-type]
+            header = self._wait(group.posted)
             rows, parent, tokens = self._read_decisions(header, capacity)
         else:
-            buffer = self._wait(group.posted, self.stage - 1)
+            buffer = self._wait(group.posted)
             split = 8 * (1 + 2 * capacity)
             rows, parent, tokens = self._read_decisions(buffer[:split].view(torch.long),
                                                         capacity)
@@ -327,7 +290,7 @@ class _Ring:
             group.decided = (decided_rows, new_parent, new_tokens)
         else:
             header = self._decisions(decided_rows, new_parent[:decided_rows], new_tokens, rows)
-            self.send(header, 0, _tag(group.index, _DECIDED))
+            self.channel.send(header, 0, _tag(group.index, _DECIDED))
         if search.done:
             group.caches = []
             group.finished = True  # leaves at its next turn, as on the other stages
@@ -345,7 +308,7 @@ class _Ring:
         if state is not None:
             flat = state.contiguous().view(-1).view(torch.uint8)
             buffer[split : split + flat.numel()] = flat
-        self.send(buffer, self.following, _tag(group.index, _DECODED))
+        self.channel.send(buffer, self.following, _tag(group.index, _DECODED))
 
     # -- the hypotheses, from the last stage to every rank -----------------------------------
 
@@ -362,18 +325,18 @@ class _Ring:
             for stage in range(last):
                 for tensor in (lengths, scores, tokens):
                     if tensor.numel():
-                        self.send(tensor.to(self.device), stage, tag)
-            self.finish()
+                        self.channel.send(tensor.to(self.device), stage, tag)
+            self.channel.finish()
             return hypotheses
-        lengths = self._wait(self.post(torch.empty(batch_size, dtype=torch.long,
-                                                   device=self.device), last, tag), last)
-        scores = self._wait(self.post(torch.empty(batch_size, dtype=torch.float64,
-                                                  device=self.device), last, tag), last)
+        lengths = self._wait(self.channel.post(torch.empty(batch_size, dtype=torch.long,
+                                                   device=self.device), last, tag))
+        scores = self._wait(self.channel.post(torch.empty(batch_size, dtype=torch.float64,
+                                                  device=self.device), last, tag))
         total = int(lengths.sum())
         tokens = torch.empty(0, dtype=torch.long)
         if total:
-            tokens = self._wait(self.post(torch.empty(total, dtype=torch.long,
-                                                      device=self.device), last, tag), last)
+            tokens = self._wait(self.channel.post(torch.empty(total, dtype=torch.long,
+                                                      device=self.device), last, tag))
         pieces = tokens.cpu().split(lengths.cpu().tolist())
         return [Hypothesis(piece.tolist(), float(score))
                 for piece, score in zip(pieces, scores.cpu().tolist(), strict=True)]
@@ -416,7 +379,7 @@ def pipelined_search_batches(
     was_training = pipe.training
     pipe.eval()
     try:
-        ring = _Ring(pipe, pad_id=pad_id)
+        ring = _StageDecoder(pipe, pad_id=pad_id)
         searches = [new_search(batch_size=src_ids.shape[0], beam_size=beam_size, bos_id=bos_id,
                                eos_id=eos_id, max_len=max_len, alpha=alpha, device=ring.device)
                     for src_ids, max_len in batches]  # on every rank: the first step's rows
@@ -432,7 +395,7 @@ def pipelined_search_batches(
             ring.start(group)
             rotation.append(group)
 
-        ring.policy.refresh()
+        ring.channel.refresh()
         try:
             while waiting and len(rotation) < in_flight:
                 admit()
@@ -442,7 +405,7 @@ def pipelined_search_batches(
                     rotation.append(group)
                 elif waiting:  # its place goes to the next batch, on every stage alike
                     admit()
-            ring.finish()
+            ring.channel.finish()
             flat = None
             if ring.is_last:
                 flat = [h for search in searches for h in search.hypotheses()]
@@ -450,7 +413,7 @@ def pipelined_search_batches(
         except PipelineFailure:
             raise
         except Exception as exc:
-            report_failure(exc, where=ring._where())  # the other ranks name this one
+            report_failure(exc, where=ring.channel.where)  # the other ranks name this one
             raise
     finally:
         pipe.train(was_training)
@@ -521,40 +484,25 @@ def pipelined_beam_search(
 # A checkpoint as a pipeline under torchrun
 
 
-def saved_balance(checkpoint: Path, num_stages: int) -> list[int] | None:
-    """The balance the checkpoint was trained with, if it had ``num_stages`` stages (its shards
-    are then one per stage, and each rank reads only its own)."""
-    try:
-        state = torch.load(checkpoint / "train-state-rank000.pt", map_location="cpu",
-                           weights_only=False, mmap=True)  # the balance, not the optimizer
-        balance = [int(n) for n in state.get("balance") or []]
-    except Exception:  # noqa: BLE001 - no usable train state: split by parameters
-        return None
-    return balance if len(balance) == num_stages else None
-
-
-def _no_loss(outputs: Tensor, targets: Tensor) -> Tensor:
-    raise TypeError("decoding runs no training step")
-
-
 def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
                   num_stages: int | None = None) -> tuple[gp.DistributedGPipe, Run]:
     """Under torchrun: process groups and this rank's stage of the checkpoint's model, one
-    pipeline of ``num_stages`` (default: the world size). Built on the ``meta`` device; only
-    this stage's weights are loaded: its own shard when the checkpoint's balance has
-    ``num_stages`` stages, else the layers are split by parameters and read from every shard.
+    pipeline of ``num_stages`` (default: the world size), one stage per rank, built on the
+    ``meta`` device by ``DistributedGPipe.from_checkpoint``: the stage split the checkpoint
+    records (its stages joined when ``num_stages`` divides their number; each rank then reads
+    only the shards holding its layers), else, for another number of stages or a checkpoint
+    written before the split was recorded, the layers split by parameters.
     """
-    from apps.common import setup_run
+    from apps.harness.run import setup_run
     from apps.nmt.config import build_model
 
     config = loaded.config
     num_stages = num_stages or int(os.environ["WORLD_SIZE"])
     run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
-    model = build_model(config, device="meta")
-    balance = saved_balance(loaded.path, num_stages) or gp.balance_by_params(model, num_stages)
-    pipe = gp.DistributedGPipe(model, balance, chunks=1, loss_fn=_no_loss, device=run.device,
-                               group=run.pipeline_group, seed=config.seed)
-    pipe.load_checkpoint(loaded.path)
+    pipe = gp.DistributedGPipe.from_checkpoint(
+        loaded.path, build_model(config, device="meta"), num_stages=num_stages,
+        resplit=gp.balance_by_params, schedule="gpipe", chunks=1, device=run.device,
+        group=run.pipeline_group, seed=config.seed)
     return pipe, run
 
 

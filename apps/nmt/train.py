@@ -40,26 +40,22 @@ from torch import Tensor
 
 import gpipe_core as gp
 from apps.budget import RunLength
-from apps.common import (
-    Interrupt,
-    RunLogger,
-    check_loss,
-    check_out_dir,
-    check_resumable,
-    checkpoint_dir,
-    choose_balance,
-    load_train_state,
-    lock_out_dir,
-    on_rank0,
-    refuse_existing_run,
-    resume_checkpoint,
-    run_main,
-    setup_run,
-    write_checkpoint,
-)
-from apps.config import ConfigError, save_config
+from apps.config import ConfigError
+from apps.harness.entry import run_main
+from apps.harness.guards import check_loss
+from apps.harness.loop import TrainingLoop, every, find_resume, start_run
+from apps.harness.pipeline import choose_balance
+from apps.harness.rank0 import on_rank0
+from apps.harness.run import Run
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
-from apps.nmt.data import Batch, CorpusError, TrainBatches, load_manifest, load_tokenizer
+from apps.nmt.data import (
+    Batch,
+    CorpusError,
+    Tokenizer,
+    TrainBatches,
+    load_manifest,
+    load_tokenizer,
+)
 from apps.nmt.evaluate import (
     TRAIN_COMMAND,
     evaluate,
@@ -71,8 +67,8 @@ from apps.nmt.model import activation_stats, token_cross_entropy_sum
 from apps.nmt.monitor import gather_stability
 from apps.nmt.pipelined_search import pipeline_search
 
-# Config keys a resumed run may change (apps.common.check_resumable): budgets, logging,
-# evaluation, runtime, and the schedule and re-materialization mode (the library gives the same
+# Config keys a resumed run may change (apps.harness.checkpoints.check_resumable): budgets,
+# logging, evaluation, runtime, and the schedule and re-materialization mode (the library gives the same
 # step for any of them); every other key (model, tokens, data stream, partitioning,
 # optimisation, seed) must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
@@ -204,7 +200,7 @@ BALANCE_SAMPLE_LENGTH = 20  # tokens per sentence of the timing sample: UI strin
 
 def nmt_balance(config: NMTConfig, device: torch.device) -> list[int]:
     """Layers per stage by the measured time of one micro-batch through each layer (see
-    :func:`apps.common.choose_balance`): by parameters the embedding (many parameters, little
+    :func:`apps.harness.pipeline.choose_balance`): by parameters the embedding (many parameters, little
     compute) and the output projection (few layers' parameters, a vocabulary-wide matmul per
     token) land on the wrong sides of the cut."""
     length = min(BALANCE_SAMPLE_LENGTH, config.max_len)
@@ -248,67 +244,39 @@ def budget_reached(config: NMTConfig, step: int, tokens_seen: int,
 
 
 # ---------------------------------------------------------------------------------------------
+# Pieces of main: the pipeline, evaluation through it, a step's record, the summary
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
-    """Train; returns rank 0's summary (final dev BLEU report included), None on other ranks."""
-    started = time.monotonic()
-
-    # --- config ---------------------------------------------------------------------------
-    config = load_nmt_config(sys.argv[1:] if argv is None else argv)
-    check_out_dir(Path(config.out_dir))  # every rank, before any process group: one line
-    # every collective fails within timeout_s (naming the rank that hangs); the long waits, for
-    # rank 0 to prepare the corpus or for replica 0 to evaluate, are on the store (on_rank0)
-    run = setup_run(num_stages=config.num_stages, device=config.device,
-                    num_threads=config.num_threads, timeout_s=config.timeout_s,
-                    pin_cpus=config.pin_cpus, hold_memory=config.hold_memory)
-    rank, world_size, device = run.rank, run.world_size, run.device
-    num_replicas, replica, master, say = run.num_replicas, run.replica, run.master, run.say
-    use_cuda = device.type == "cuda"
-    out_dir = Path(config.out_dir)
-
-    # one run per out_dir at a time: rank 0 holds its lock until it exits
-    on_rank0(lambda: lock_out_dir(out_dir), what="locking out_dir")
-
-    # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------
+def nmt_data(config: NMTConfig, run: Run) -> tuple[NMTConfig, Tokenizer, TrainBatches]:
+    """The corpus (prepared once, by rank 0), its tokenizer and the training stream; the config
+    sized to the tokenizer's vocabulary (a soft limit for prepare on a small corpus)."""
     on_rank0(lambda: prepare_corpus(config), what="preparing the corpus")
     tokenizer = load_tokenizer(config.data_dir)
     manifest = load_manifest(config.data_dir)
     if tokenizer.vocab_size != config.vocab_size:
-        # vocab_size is a soft limit for prepare on a small corpus: size the model to the real one
-        say(f"tokenizer has {tokenizer.vocab_size} pieces (asked {config.vocab_size}); using it")
+        run.say(f"tokenizer has {tokenizer.vocab_size} pieces (asked {config.vocab_size}); "
+                "using it")
         config = replace(config, vocab_size=tokenizer.vocab_size)
     special = {k: manifest[k] for k in ("pad_id", "unk_id", "bos_id", "eos_id")}
     if special != {k: getattr(config, k) for k in special}:
         raise ConfigError(f"config special ids differ from the tokenizer's {special}; set them so")
-    batches = TrainBatches(
-        config.data_dir,
-        max_tokens=config.max_tokens,
-        temperature=config.sampling_temperature,
-        seed=config.seed,
-        languages=config.languages or None,
-        max_len=config.max_len,
-    )
+    batches = TrainBatches(config.data_dir, max_tokens=config.max_tokens,
+                           temperature=config.sampling_temperature, seed=config.seed,
+                           languages=config.languages or None, max_len=config.max_len)
+    return config, tokenizer, batches
 
-    # --- resume: which checkpoint (its balance fixes the partitioning) ---------------------
-    resume_dir, state = None, {}
-    if config.resume:
-        # the newest checkpoint whose files all verify (an older one, with a warning, if the
-        # newest is damaged)
-        resume_dir = resume_checkpoint(out_dir, train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
-                                       verbose=master)
-        saved_config = load_nmt_config([f"--config={resume_dir / 'config.yaml'}"])
-        check_resumable(saved_config, config, may_change=RESUMABLE_CHANGES, checkpoint=resume_dir)
-        state = load_train_state(resume_dir, rank, world_size)
 
-    # --- model: built on meta, each rank materialises only its own stage ------------------
+def nmt_pipeline(config: NMTConfig, run: Run, state: dict[str, Any]
+                 ) -> tuple[gp.DistributedGPipe, list[int], int]:
+    """The model built on meta, each rank materialising only its own stage; its balance (the
+    checkpoint's when resuming) and its parameter count."""
     model = build_model(config, device="meta")
     if "balance" in state:
         balance = list(state["balance"])
     elif config.resume or config.balance is not None:  # checkpoints before balance was saved
         balance = list(config.balance or gp.balance_by_params(model, config.num_stages))
     else:
-        balance = nmt_balance(config, device)
+        balance = nmt_balance(config, run.device)
     pad_id, smoothing, z_loss = config.pad_id, config.label_smoothing, config.z_loss
 
     def loss_fn(logits: Tensor, target_ids: Tensor) -> Tensor:
@@ -324,35 +292,124 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         loss_fn=loss_fn,
         loss_reduction="sum",  # divided by the step's target-token count (normalizer)
         group=run.pipeline_group,
-        data_parallel_group=run.data_group if num_replicas > 1 else None,
-        device=device,
+        data_parallel_group=run.data_group if run.num_replicas > 1 else None,
+        device=run.device,
         seed=config.seed,
         quiet_io=config.quiet_io,
     )  # its timeout is the pipeline group's: config.timeout_s, given to setup_run
+    return pipe, balance, sum(p.numel() for p in model.parameters())
+
+
+def run_eval(pipe: gp.DistributedGPipe, config: NMTConfig, tokenizer: Any, run: Run, *,
+             what: str, dev_loss: bool = False) -> dict[str, Any] | None:
+    """Dev BLEU (and with ``dev_loss`` the dev loss per target token, as ``"dev_loss"``) of
+    the weights just checkpointed, through the training pipeline itself; the report on
+    rank 0, None on the other ranks.
+
+    Every rank of replica 0's pipeline decodes with its own stage
+    (``apps.nmt.pipelined_search``: the hypotheses are the plain model's, token for token)
+    and runs its stage's forward of the dev loss (``pipe.evaluate``); rank 0 scores with
+    sacrebleu and reports. No rank builds more than its own stage. With R > 1 replicas
+    the other replicas wait (on the store: an evaluation takes minutes, longer than
+    timeout_s); sharing the sentences among replicas would divide the time by R.
+    """
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        search = pipeline_search(pipe, config, beam_size=config.beam_size,
+                                 alpha=config.length_penalty)
+        report = evaluate(None, config, tokenizer, split="dev",
+                          max_per_lang=config.eval_max_sentences, device=run.device,
+                          search=search, score_here=run.master)
+        if dev_loss:  # collective over the pipeline, so on every rank of it
+            loss = mean_token_loss(pipe, config, split="dev",
+                                   max_per_lang=config.eval_max_sentences)
+            if report is not None:
+                report["dev_loss"] = loss
+        result["report"] = report
+
+    with gp.collectives(what):  # every rank enters: replica 0 evaluates, the others wait
+        on_rank0(work, what=what, workers=range(config.num_stages))
+    return result.get("report")
+
+
+def step_record(pipe: gp.DistributedGPipe, config: NMTConfig, device: torch.device, *,
+                step: int, loss: float, lr: float, tokens: int,
+                grad_norm: Tensor | None) -> tuple[dict[str, Any], dict[str, float]]:
+    """The step's line of log.jsonl (loss, gradient norm, activations, logits, clipping,
+    attention logits per layer, log Z, z-loss share) and its activation statistics; both
+    collectives, on every rank, every step."""
+    stats = step_stats(pipe, config.num_stages, device)
+    record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "tokens": tokens}
+    if grad_norm is not None:
+        record["grad_norm"] = float(grad_norm)
+    record.update(stats)
+    record["clip_engaged"] = bool(config.clip_logits and stats["clipped_fraction"] > 0)
+    record.update(gather_stability(pipe, num_layers=config.num_layers, device=device,
+                                   z_loss=config.z_loss, record_attention=config.record_attention))
+    return record, stats
+
+
+def summarize(report: dict[str, Any], *, step: int, tokens_seen: int, train_seconds: float,
+              started: float, stopped_by: str | None, length: RunLength,
+              path: Path) -> dict[str, Any]:
+    """Rank 0's summary.json, from the final dev report (its ``dev_loss`` taken out)."""
+    dev_loss = report.pop("dev_loss")
+    return {
+        "steps": step,
+        "tokens": tokens_seen,
+        # what ended the run: a budget (max_steps, max_train_tokens) or the wall-clock
+        # safety cap (max_minutes: the run was cut short of its budget)
+        "stopped_by": stopped_by,
+        # the run's length and how it was chosen (apps/budget.py)
+        "budget": length.choice.to_json() if length.choice is not None else None,
+        "train_minutes": round(train_seconds / 60, 2),
+        "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
+        "total_minutes": round((time.monotonic() - started) / 60, 2),
+        "checkpoint": str(path),
+        "dev_loss": round(dev_loss, 5),  # nats per target token, no label smoothing
+        "dev": {b: {"bleu": v["bleu"], "copy_bleu": v["copy_bleu"]}
+                for b, v in report["buckets"].items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """Train; returns rank 0's summary (final dev BLEU report included), None on other ranks."""
+    started = time.monotonic()
+
+    # --- config and run: out_dir checked and locked, process groups ------------------------
+    config = load_nmt_config(sys.argv[1:] if argv is None else argv)
+    run = start_run(config, device=config.device, num_threads=config.num_threads)
+    num_replicas, master, say, device = run.num_replicas, run.master, run.say, run.device
+    out_dir = Path(config.out_dir)
+
+    # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------
+    config, tokenizer, batches = nmt_data(config, run)
+
+    # --- resume (its balance fixes the partitioning), model, optimizer -----------------------
+    resume_dir, state = find_resume(config, run, load_config=load_nmt_config,
+                                    train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
+                                    may_change=RESUMABLE_CHANGES)
+    pipe, balance, num_params = nmt_pipeline(config, run, state)
     optimizer = make_optimizer(config, list(pipe.parameters()))
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and config.bf16 else nullcontext()
-    )
-    num_params = sum(p.numel() for p in model.parameters())
-    say(
-        f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d={config.d_model} "
+    use_bf16 = device.type == "cuda" and config.bf16
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    say(f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d={config.d_model} "
         f"vocab={config.vocab_size}: {num_params / 1e6:.2f}M parameters; {config.num_stages} "
         f"stages, balance {balance}, {config.chunks} micro-batches, schedule {config.schedule}, "
-        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {world_size} rank(s) on "
-        f"{device.type}; languages {' '.join(batches.languages)}"
-    )
-
-    # --- resume: weights, optimizer, data stream, step counters ---------------------------
+        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {run.world_size} rank(s) "
+        f"on {device.type}; languages {' '.join(batches.languages)}")
     step, tokens_seen, train_seconds = 0, 0, 0.0
-    if resume_dir is not None:
+    if resume_dir is not None:  # weights, optimizer, data stream, step counters
         pipe.load_checkpoint(resume_dir)
         optimizer.load_state_dict(state["optimizer"])
         batches.load_state_dict(state["data"])
         step, tokens_seen, train_seconds = state["step"], state["tokens"], state["train_seconds"]
         pipe.steps_done = state["pipe_steps"]  # seeds dropout: must continue, not restart
         say(f"resumed from {resume_dir} at step {step}")
-    else:
-        refuse_existing_run(out_dir)
     # the run's length (apps/budget.py): given, fitted to budget_minutes after the first steps
     # (inside warm-up, which does not depend on it), or max_steps; a linear schedule spans it
     length = RunLength(
@@ -360,113 +417,39 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         cap=config.max_steps, cap_name="max_steps", step=step,
         warmup_steps=config.warmup_steps if config.lr_schedule == "linear" else math.inf,
         saved_steps=state.get("train_steps", 0), goal_steps=config.goal_steps)
-    with gp.collectives("start of training"):
-        dist.barrier()
-    if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, out_dir / "config.yaml")
-    logger = RunLogger(config, out_dir, resume_step=step, enabled=master)
 
-    def save(step: int) -> Path:
-        """Checkpoint: shards, per-rank state, config and tokenizer (collective)."""
-        state = {
-            "optimizer": optimizer.state_dict(),
-            "data": batches.state_dict(),
-            "step": step,
-            "tokens": tokens_seen,
-            "train_seconds": train_seconds,
-            "pipe_steps": pipe.steps_done,
-            "train_steps": length.recorded_steps,
-            "world_size": world_size,
-            "balance": balance,
-        }
-        tokenizer_json = json.dumps({
-            "fingerprint": tokenizer.fingerprint,
-            "vocab_size": tokenizer.vocab_size,
-            "data_dir": str(config.data_dir),
-        }) + "\n"
-        # the checkpoint's config records the run's length once it is known
-        saved_config = replace(config, train_steps=state["train_steps"])
-        return write_checkpoint(out_dir, step, pipe, state, saved_config, rank=rank,
-                                files={"tokenizer.json": tokenizer_json})
+    def checkpoint_state(step: int) -> tuple[dict[str, Any], dict[str, str]]:
+        """Per-rank state, and the tokenizer's fingerprint (rank 0's file)."""
+        state = {"optimizer": optimizer.state_dict(), "data": batches.state_dict(),
+                 "step": step, "tokens": tokens_seen, "train_seconds": train_seconds,
+                 "pipe_steps": pipe.steps_done, "train_steps": length.recorded_steps,
+                 "world_size": run.world_size, "balance": balance}
+        tokenizer_json = json.dumps({"fingerprint": tokenizer.fingerprint,
+                                     "vocab_size": tokenizer.vocab_size,
+                                     "data_dir": str(config.data_dir)}) + "\n"
+        return state, {"tokenizer.json": tokenizer_json}
 
-    def run_eval(*, what: str, dev_loss: bool = False) -> dict[str, Any] | None:
-        """Dev BLEU (and with ``dev_loss`` the dev loss per target token, as ``"dev_loss"``) of
-        the weights just checkpointed, through the training pipeline itself; the report on
-        rank 0, None on the other ranks.
-
-        Every rank of replica 0's pipeline decodes with its own stage
-        (``apps.nmt.pipelined_search``: the hypotheses are the plain model's, token for token)
-        and runs its stage's forward of the dev loss (``pipe.evaluate``); rank 0 scores with
-        sacrebleu and reports. No rank builds more than its own stage. With R > 1 replicas
-        the other replicas wait (on the store: an evaluation takes minutes, longer than
-        timeout_s); sharing the sentences among replicas would divide the time by R.
-        """
-        result: dict[str, Any] = {}
-
-        def work() -> None:
-            search = pipeline_search(pipe, config, beam_size=config.beam_size,
-                                     alpha=config.length_penalty)
-            report = evaluate(None, config, tokenizer, split="dev",
-                              max_per_lang=config.eval_max_sentences, device=device,
-                              search=search, score_here=master)
-            if dev_loss:  # collective over the pipeline, so on every rank of it
-                loss = mean_token_loss(pipe, config, split="dev",
-                                       max_per_lang=config.eval_max_sentences)
-                if report is not None:
-                    report["dev_loss"] = loss
-            result["report"] = report
-
-        with gp.collectives(what):  # every rank enters: replica 0 evaluates, the others wait
-            on_rank0(work, what=what, workers=range(config.num_stages))
-        return result.get("report")
-
-    # --- training loop --------------------------------------------------------------------
-    from tqdm import tqdm
-
-    # the bar counts towards the budget that ends the run: tokens when a token budget is set
+    loop = TrainingLoop(config, run, pipe, length=length, step=step, started=started,
+                        checkpoint_state=checkpoint_state)
+    # --- training loop: the bar counts towards the budget that ends the run ------------------
     by_tokens = bool(config.max_train_tokens)
-    if master and length.decided:
-        say(length.choice.explain())  # type: ignore[union-attr]
-    bar = tqdm(total=config.max_train_tokens if by_tokens else length.steps,
-               initial=tokens_seen if by_tokens else step, unit="tok" if by_tokens else "step",
-               unit_scale=by_tokens, disable=not master, dynamic_ncols=True, file=sys.stderr,
-               mininterval=2.0)
-    window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()
+    bar = loop.progress_bar(total=config.max_train_tokens if by_tokens else length.steps,
+                            initial=tokens_seen if by_tokens else step,
+                            unit="tok" if by_tokens else "step", unit_scale=by_tokens)
     loop_start = time.monotonic() - train_seconds
-    last_saved = step if config.resume else -1
-    # from here SIGINT / SIGTERM checkpoint at a step all ranks agree on, then exit
-    interrupt = Interrupt()
-    stop = torch.zeros(2, dtype=torch.int64, device=device)  # NCCL reduces device tensors
     stopped_by = None
     while True:
         # stop: at the step or token budget, or (a safety) at max_minutes, as rank 0 decides;
         # or at a signal on any rank (all ranks stop at the same step)
-        length.tick(step)
-        if length.due(step):  # fix the run's length (a collective); the lr schedule spans it
-            choice = length.decide(step=step, elapsed_s=time.monotonic() - started,
-                                   reserve_s=lambda per_step: final_reserve_s(config, per_step),
-                                   master=master, device=device)
-            if master:
-                if not by_tokens:
-                    bar.total = choice.train_steps
-                bar.write(choice.explain())
-                bar.refresh()
+        choice = loop.budget(step, reserve_s=lambda per_step: final_reserve_s(config, per_step))
+        if choice is not None:  # the run's length is fixed; the lr schedule spans it
+            loop.announce(choice.explain(), total=None if by_tokens else choice.train_steps)
         if master:
             stopped_by = budget_reached(config, step, tokens_seen, length)
             if stopped_by is None and config.max_minutes and (
-                time.monotonic() - loop_start > 60 * config.max_minutes
-            ):
+                    time.monotonic() - loop_start > 60 * config.max_minutes):
                 stopped_by = "max_minutes"
-            stop[0] = int(stopped_by is not None)
-        stop[1] = int(interrupt.requested)
-        with gp.collectives(f"stop decision before step {step + 1}"):
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if stop[1]:
-            path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
-            logger.close()
-            raise interrupt.stop(step=step, checkpoint=path, master=master)
-        if stop[0]:
+        if loop.vote(step, stop=stopped_by is not None):
             break
 
         # learning rate: a pure function of the step, so resuming needs no scheduler state
@@ -476,19 +459,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
         # batch: R batches per step from the shared stream; replica r trains on the r-th
         step_batches = [next(batches) for _ in range(num_replicas)]
-        batch = step_batches[replica]
-        counts = [count_tokens(b, pad_id) for b in step_batches]
-        target_tokens = sum(t for _, t in counts)
-        tokens_seen += sum(s + t for s, t in counts)
+        batch = step_batches[run.replica]
+        counts = [count_tokens(b, config.pad_id) for b in step_batches]
+        step_tokens = sum(s + t for s, t in counts)
+        tokens_seen += step_tokens
 
         # forward + backward through the pipeline; loss = mean over the step's target tokens
         optimizer.zero_grad(set_to_none=True)
         with autocast:
-            loss = pipe.step(
-                (batch.src, batch.tgt_in) if pipe.is_first else None,
-                batch.tgt_out if pipe.is_last else None,
-                normalizer=loss_normalizer(target_tokens, num_replicas),
-            )
+            loss = pipe.step((batch.src, batch.tgt_in) if pipe.is_first else None,
+                             batch.tgt_out if pipe.is_last else None,
+                             normalizer=loss_normalizer(sum(t for _, t in counts), num_replicas))
         if num_replicas > 1:
             with gp.collectives(f"loss of step {step + 1}"):
                 dist.all_reduce(loss, group=run.data_group)
@@ -497,109 +478,67 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         step += 1
         train_seconds = time.monotonic() - loop_start
 
-        # log: every step to log.jsonl (loss, gradient norm, activations, logits, clipping);
-        # every log_every steps the bar and wandb
+        # log: every step to log.jsonl; every log_every steps the bar and wandb
         loss_value = float(loss)
-        stats = step_stats(pipe, config.num_stages, device)  # collective, every rank, every step
-        record: dict[str, Any] = {"step": step, "loss": loss_value, "lr": lr,
-                                  "tokens": tokens_seen}
-        if grad_norm is not None:
-            record["grad_norm"] = float(grad_norm)
-        record.update(stats)
-        record["clip_engaged"] = bool(config.clip_logits and stats["clipped_fraction"] > 0)
-        # attention logits per layer, log Z, z-loss share (apps.nmt.monitor; collective)
-        record.update(gather_stability(pipe, num_layers=config.num_layers, device=device,
-                                       z_loss=config.z_loss, record_attention=config.record_attention))
-        logger.step(record)
+        record, stats = step_record(pipe, config, device, step=step, loss=loss_value, lr=lr,
+                                    tokens=tokens_seen, grad_norm=grad_norm)
+        loop.logger.step(record)
         # divergence: a non-finite loss, or one beyond max_loss_factor x ln(vocab_size)
         check_loss(loss_value, step=step, num_classes=config.vocab_size,
                    factor=config.max_loss_factor,
                    fix=f"lower lr={config.lr} or raise warmup_steps")
-        window_loss += loss_value
-        window_steps += 1
-        window_tokens += sum(s + t for s, t in counts)
-        bar.update(sum(s + t for s, t in counts) if by_tokens else 1)
-        if step % config.log_every == 0:
-            elapsed = time.monotonic() - window_start
+        loop.window.add(loss_value, step_tokens)
+        bar.update(step_tokens if by_tokens else 1)
+        if every(step, config.log_every):
             metrics = {
-                "train/loss": window_loss / window_steps,
-                "train/lr": lr,
-                "train/tokens_per_second": window_tokens / max(elapsed, 1e-9),
-                "train/tokens": tokens_seen,
+                "train/loss": loop.window.mean_loss, "train/lr": lr,
+                "train/tokens_per_second": loop.window.per_second(), "train/tokens": tokens_seen,
                 "train/minutes": train_seconds / 60,
                 **({"train/grad_norm": float(grad_norm)} if grad_norm is not None else {}),
                 **{f"activations/{k}": v for k, v in stats.items()},
             }
-            logger.metrics(metrics, step)
-            bar.set_postfix(
-                loss=f"{metrics['train/loss']:.3f}",
-                tok_s=f"{metrics['train/tokens_per_second']:.0f}",
-                lr=f"{lr:.2e}",
-                logit=f"{stats.get('max_abs_logit', float('nan')):.1f}",
-                min=f"{train_seconds / 60:.1f}",
-                refresh=False,
-            )
-            window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.monotonic()
+            loop.logger.metrics(metrics, step)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
+                            tok_s=f"{metrics['train/tokens_per_second']:.0f}", lr=f"{lr:.2e}",
+                            logit=f"{stats.get('max_abs_logit', float('nan')):.1f}",
+                            min=f"{train_seconds / 60:.1f}", refresh=False)
+            loop.window.reset()
 
         # checkpoint and evaluate (periodic; the final ones follow the loop)
-        due_eval = bool(config.eval_every) and step % config.eval_every == 0
-        if due_eval or (config.ckpt_every and step % config.ckpt_every == 0):
-            path = save(step)
-            last_saved = step
-        if due_eval and step < length.steps:  # the final evaluation follows the loop
-            report = run_eval(what=f"dev evaluation at step {step}")
+        if loop.step_end(step, checkpoint_due=every(step, config.ckpt_every),
+                         eval_due=every(step, config.eval_every)):
+            report = run_eval(pipe, config, tokenizer, run, what=f"dev evaluation at step {step}")
             if report is not None:
                 lines = format_report(report, examples=0).splitlines()
                 bar.write(f"step {step} dev BLEU:\n" + "\n".join(lines[1:5]))
-                logger.metrics(
-                    {f"dev/bleu_{b}": v["bleu"] for b, v in report["buckets"].items()}, step
-                )
+                loop.logger.metrics(
+                    {f"dev/bleu_{b}": v["bleu"] for b, v in report["buckets"].items()}, step)
     bar.close()
 
     # --- final checkpoint and dev BLEU per resource bucket ----------------------------------
-    path = save(step) if last_saved != step else checkpoint_dir(out_dir, step)
-    train_minutes = train_seconds / 60
+    path = loop.checkpoint(step)
     if stopped_by == "max_minutes":
         say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step "
             f"{step}, before its budget ({length.steps} steps, max_train_tokens="
             f"{config.max_train_tokens}): its learning-rate schedule did not end, so its results "
             "are not those of the budgeted run (budget_minutes fits a run to a time instead)")
-    say(
-        f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_minutes:.1f} min "
+    say(f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_seconds / 60:.1f} min "
         f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
-        f"checkpoint {path}"
-    )
-    report = run_eval(what="the final dev evaluation", dev_loss=True)
+        f"checkpoint {path}")
+    report = run_eval(pipe, config, tokenizer, run, what="the final dev evaluation", dev_loss=True)
     summary = None
     if master:
         assert report is not None
-        dev_loss = report.pop("dev_loss")
+        summary = summarize(report, step=step, tokens_seen=tokens_seen, started=started,
+                            train_seconds=train_seconds, stopped_by=stopped_by, length=length,
+                            path=path)
         write_report(report, out_dir / "dev_bleu.json")
         say(format_report(report))
-        summary = {
-            "steps": step,
-            "tokens": tokens_seen,
-            # what ended the run: a budget (max_steps, max_train_tokens) or the wall-clock
-            # safety cap (max_minutes: the run was cut short of its budget)
-            "stopped_by": stopped_by,
-            # the run's length and how it was chosen (apps/budget.py)
-            "budget": length.choice.to_json() if length.choice is not None else None,
-            "train_minutes": round(train_minutes, 2),
-            "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9), 1),
-            "total_minutes": round((time.monotonic() - started) / 60, 2),
-            "checkpoint": str(path),
-            "dev_loss": round(dev_loss, 5),  # nats per target token, no label smoothing
-            "dev": {b: {"bleu": v["bleu"], "copy_bleu": v["copy_bleu"]}
-                    for b, v in report["buckets"].items()},
-        }
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        loop.write_summary(summary)
         say(f"total wall time {summary['total_minutes']} min")
-        logger.metrics({f"dev/final_bleu_{b}": v["bleu"] for b, v in report["buckets"].items()},
-                       step)
-    logger.close()
-    on_rank0(lambda: None, what="the end of the run")  # the others wait for rank 0's report
-    interrupt.restore()
-    dist.destroy_process_group()
+        loop.logger.metrics({f"dev/final_bleu_{b}": v["bleu"]
+                             for b, v in report["buckets"].items()}, step)
+    loop.end()
     return summary
 
 

@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if source is not sys.stdin:
             source.close()
     if pipelined:
-        from apps.common import end_run
+        from apps.harness.run import end_run
 
         end_run()
     return 0

@@ -15,17 +15,20 @@ from torch import Tensor, nn
 
 import gpipe_core as gp
 from apps.amoebanet import train
-from apps.amoebanet.config import CONFIG_DIR, build_model, load_amoebanet_config
+from apps.amoebanet.config import (
+    CONFIG_DIR,
+    build_model,
+    load_amoebanet_config,
+    load_train_config,
+)
 from apps.amoebanet.data import (
     DatasetNotFoundError,
     Sample,
     encode_png,
-    write_dataset_json,
-    write_split,
 )
 from apps.amoebanet.model import build_amoebanet
-from apps.common import CheckpointError
 from apps.config import ConfigError, save_config
+from apps.harness.checkpoints import CheckpointError
 from scripts import eval_top1
 from tests.distributed import launch
 from tests.distributed.launch import spawn
@@ -47,20 +50,6 @@ def synthetic_samples(split: str, count: int, seed: int) -> Iterator[Sample]:
         else:
             pixels[5:11, 5:11] += 150
         yield Sample(f"{split}_{index:04d}", encode_png(pixels), "png", label)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test's images as shards with dataset.json, written with the data module's writer."""
-    out = tmp_path_factory.mktemp("shards")
-    splits = {
-        "train": write_split(synthetic_samples("train", TRAIN_IMAGES, 0), out, "train",
-                             num_classes=len(CLASSES), max_per_shard=16),
-        "test": write_split(synthetic_samples("test", TEST_IMAGES, 1), out, "test",
-                            num_classes=len(CLASSES), max_per_shard=12),
-    }
-    write_dataset_json(out, name="synthetic", classes=CLASSES, image_mode="L", splits=splits)
-    return out
 
 
 def tiny_args(shards: Path, out_dir: Path, **changes: Any) -> list[str]:
@@ -279,7 +268,7 @@ def test_plain_gpipe_and_distributed_agree_with_batch_norm(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_skipped_batches_resume_the_same_stream(shards: Path, num_workers: int) -> None:
-    config = train.parse_args(tiny_args(shards, Path("unused"), num_workers=num_workers))[1]
+    config = load_train_config(tiny_args(shards, Path("unused"), num_workers=num_workers))
     whole = list(train.train_batches(config, 1, skip=0, replica=0, num_replicas=1))
     torch.manual_seed(123)  # a resumed process starts from other global RNG states
     rest = list(train.train_batches(config, 1, skip=2, replica=0, num_replicas=1))

@@ -27,17 +27,17 @@ from typing import Any
 import pytest
 
 import gpipe_core as gp
-from apps import common
 from apps.amoebanet import classify
 from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config
 from apps.config import ConfigError, save_config
+from apps.harness import checkpoints, run_log
+from apps.harness.out_dir import check_out_dir, lock_out_dir
 from apps.nmt import translate
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import load_tokenizer
 from scripts import eval_bleu, eval_top1
-from tests.apps.test_amoebanet_train import fake_checkpoint, shards, tiny_args  # noqa: F401
+from tests.apps.test_amoebanet_train import fake_checkpoint, tiny_args
 from tests.apps.test_failures import finish, launch, logged_steps, long_run, wait_for
-from tests.apps.test_nmt_train import corpus  # noqa: F401
 from tests.apps.test_nmt_train import tiny_args as nmt_args
 from tests.test_storage import write_run_checkpoint
 
@@ -75,19 +75,19 @@ def test_a_bad_latest_falls_back_to_the_newest_intact_step_folder(
         content, why = other.encode(), f"holds {other!r}, {why}"
     (run / "latest").write_bytes(content)
     # eval_bleu / eval_top1 / translate / classify
-    assert common.resolve_checkpoint(run, train_command="t") == newest
+    assert checkpoints.resolve_checkpoint(run, train_command="t") == newest
     err = capsys.readouterr().err
     assert err.startswith(f"warning: {run / 'latest'} {why}") and err.count("\n") == 1, err
     assert err.strip().endswith(f"; using the newest intact checkpoint {newest} instead")
     # --resume, on every rank
-    assert common.resume_checkpoint(run, train_command="t", verbose=True) == newest
+    assert checkpoints.resume_checkpoint(run, train_command="t", verbose=True) == newest
     assert f"resuming from the newest intact checkpoint {newest}" in capsys.readouterr().err
-    assert common.resume_checkpoint(run, train_command="t", verbose=False) == newest
+    assert checkpoints.resume_checkpoint(run, train_command="t", verbose=False) == newest
     assert capsys.readouterr().err == ""  # only rank 0 says it
 
 
 def test_eval_top1_scores_the_newest_step_folder_past_a_non_utf8_latest(
-    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     checkpoint = fake_checkpoint(tmp_path / "run" / "step-0000003", shards)
     (tmp_path / "run" / "latest").write_bytes(b"\xff\xfe")  # raw UnicodeDecodeError before
@@ -104,7 +104,7 @@ def test_a_bad_latest_skips_a_damaged_step_folder_too(tmp_path: Path,
     newest = write_run_checkpoint(tmp_path, 4)
     (newest / "config.yaml").write_text("lr: 0.2\n")  # altered after the index was written
     (tmp_path / "latest").write_text("garbage")
-    assert common.resolve_checkpoint(tmp_path, train_command="t") == older
+    assert checkpoints.resolve_checkpoint(tmp_path, train_command="t") == older
     err = capsys.readouterr().err
     assert "holds 'garbage'" in err and f"{newest / 'config.yaml'} is damaged" in err
 
@@ -113,14 +113,14 @@ def test_a_bad_latest_without_checkpoints_says_how_to_train_and_a_new_run_may_st
     tmp_path: Path,
 ) -> None:
     (tmp_path / "latest").write_text("garbage\n")
-    with pytest.raises(common.CheckpointError,
+    with pytest.raises(checkpoints.CheckpointError,
                        match=rf"^no checkpoint in {tmp_path} \({tmp_path / 'latest'} holds "
                        r"'garbage', .*\); train one with `python train.py`$"):
-        common.resume_checkpoint(tmp_path, train_command="python train.py", verbose=True)
-    common.refuse_existing_run(tmp_path)  # following that advice is not refused
+        checkpoints.resume_checkpoint(tmp_path, train_command="python train.py", verbose=True)
+    checkpoints.refuse_existing_run(tmp_path)  # following that advice is not refused
     write_run_checkpoint(tmp_path, 2)
     with pytest.raises(ConfigError, match="already holds a run"):
-        common.refuse_existing_run(tmp_path)
+        checkpoints.refuse_existing_run(tmp_path)
 
 
 def test_a_valid_latest_is_used_and_a_damaged_one_is_refused_by_evaluation(
@@ -128,13 +128,13 @@ def test_a_valid_latest_is_used_and_a_damaged_one_is_refused_by_evaluation(
 ) -> None:
     older = write_run_checkpoint(tmp_path, 2)
     newest = write_run_checkpoint(tmp_path, 4)
-    assert common.read_latest(tmp_path) == ("step-0000004", None)
+    assert checkpoints.read_latest(tmp_path) == ("step-0000004", None)
     (tmp_path / "latest").write_text("step-0000002\n")  # a folder past latest is ignored
-    assert common.resolve_checkpoint(tmp_path, train_command="t") == older
+    assert checkpoints.resolve_checkpoint(tmp_path, train_command="t") == older
     (tmp_path / "latest").write_text("step-0000004\n")
     (newest / "config.yaml").write_text("lr: 0.2\n")
     with pytest.raises(gp.CheckpointCorruptError, match="config.yaml is damaged"):
-        common.resolve_checkpoint(tmp_path, train_command="t")  # evaluation scores what it's told
+        checkpoints.resolve_checkpoint(tmp_path, train_command="t")  # evaluation scores what it's told
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_resume_drops_a_torn_last_log_record_with_a_warning(
     records = [json.dumps({"step": step, "loss": 1.0 / step}) for step in (1, 2, 3)]
     log.write_text("\n".join(records) + '\n{"step": 4, "lo')  # what a crash or full disk leaves
     config = NMTConfig(wandb_mode="disabled")
-    logger = common.RunLogger(config, tmp_path, resume_step=3, enabled=True)
+    logger = run_log.RunLogger(config, tmp_path, resume_step=3, enabled=True)
     logger.step({"step": 4, "loss": 0.25})
     logger.close()
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
@@ -243,10 +243,10 @@ def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path: Pa
     file.write_text("x")
     with pytest.raises(ConfigError, match=rf"^out_dir={file} is a file, not a folder; pass "
                        r"another --out_dir"):
-        common.check_out_dir(file)
+        check_out_dir(file)
     with pytest.raises(ConfigError, match=rf"^out_dir={file / 'run'} cannot be written \(Not a "
                        rf"directory at {file / 'run'}\); pass another --out_dir"):
-        common.check_out_dir(file / "run")
+        check_out_dir(file / "run")
     if os.geteuid() == 0:  # root writes through permission bits: a read-only filesystem then
         unwritable = Path("/sys/gpipe-test-run")
     else:
@@ -254,15 +254,15 @@ def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path: Pa
         unwritable = tmp_path / "locked" / "run"
     with pytest.raises(ConfigError, match=rf"^out_dir={unwritable} cannot be written \(.*\); "
                        "pass another --out_dir, or make it writable for this user$"):
-        common.check_out_dir(unwritable)
-    common.check_out_dir(tmp_path / "new" / "run")  # created
+        check_out_dir(unwritable)
+    check_out_dir(tmp_path / "new" / "run")  # created
     assert (tmp_path / "new" / "run").is_dir() and not list((tmp_path / "new" / "run").iterdir())
 
 
 def test_a_second_process_cannot_lock_an_out_dir_in_use(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from apps import "
-         "common; common.lock_out_dir(Path(sys.argv[1])); print('locked', flush=True); "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from apps.harness.out_dir "
+         "import lock_out_dir; lock_out_dir(Path(sys.argv[1])); print('locked', flush=True); "
          "time.sleep(60)", str(tmp_path)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE)
     try:
@@ -270,17 +270,17 @@ def test_a_second_process_cannot_lock_an_out_dir_in_use(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=rf"^out_dir={tmp_path} is in use by another run "
                            rf"\(pid {holder.pid} on host {socket.gethostname()}, since .*; see "
                            rf"{tmp_path / '.lock'}\); wait for it to end"):
-            common.lock_out_dir(tmp_path)
+            lock_out_dir(tmp_path)
     finally:
         holder.kill()
         holder.wait()
-    common.lock_out_dir(tmp_path)  # the lock died with its process: no stale lock
+    lock_out_dir(tmp_path)  # the lock died with its process: no stale lock
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_an_out_dir_that_is_a_file_stops_every_rank_with_one_line(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     file = tmp_path / "file"
     file.write_text("x")
@@ -301,7 +301,7 @@ def test_an_out_dir_that_is_a_file_stops_every_rank_with_one_line(
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_second_run_on_the_same_out_dir_is_refused_naming_the_first(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     out_dir = tmp_path / "run"
     first = launch(long_run(shards, out_dir), tmp_path / "first.txt")
@@ -351,7 +351,7 @@ def test_a_write_that_fails_leaves_the_previous_file_and_names_the_path(tmp_path
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     out_dir = tmp_path / "run"
     args = tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2, timeout_s=20)
@@ -380,7 +380,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
                          "it; free space (or fix out_dir) and continue with --resume"), line
     assert (out_dir / "latest").read_text() == "step-0000002\n"
     gp.verify_checkpoint(previous)
-    assert "apps/common.py" not in output and "hangs" not in output, output[-3000:]
+    assert "apps/harness/checkpoints.py" not in output and "hangs" not in output, output[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +389,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_resume_survives_a_garbage_latest_and_a_torn_log(shards: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_resume_survives_a_garbage_latest_and_a_torn_log(shards: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     args = tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2)
     log = tmp_path / "first.txt"
@@ -426,7 +426,7 @@ def png_header_only(path: Path, width: int, height: int) -> None:
 
 
 def test_classify_refuses_a_huge_image_in_one_line_and_allows_it_on_request(
-    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     checkpoint = fake_checkpoint(tmp_path / "ckpt", shards)
     bomb = tmp_path / "bomb.png"
@@ -448,7 +448,7 @@ def test_classify_refuses_a_huge_image_in_one_line_and_allows_it_on_request(
     assert Image.MAX_IMAGE_PIXELS == 89_478_485  # PIL's global left as it was
 
 
-def fake_nmt_checkpoint(directory: Path, corpus: Path, languages: str) -> Path:  # noqa: F811
+def fake_nmt_checkpoint(directory: Path, corpus: Path, languages: str) -> Path:
     """An untrained NMT checkpoint as train.py writes it, on ``corpus``'s tokenizer."""
     tokenizer = load_tokenizer(corpus)
     args = nmt_args(corpus, directory, languages=languages, vocab_size=tokenizer.vocab_size)
@@ -461,7 +461,7 @@ def fake_nmt_checkpoint(directory: Path, corpus: Path, languages: str) -> Path: 
 
 
 def test_translate_warns_about_a_language_the_model_never_trained_on(
-    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tokenizer = load_tokenizer(corpus)
     trained, untrained = tokenizer.languages[0], tokenizer.languages[1]

@@ -14,7 +14,7 @@ from apps import budget
 from apps.config import ConfigError
 from apps.nmt import train
 from apps.nmt.config import NMTConfig
-from tests.apps.test_nmt_train import corpus, tiny_args, torchrun  # noqa: F401
+from tests.apps.test_nmt_train import tiny_args, torchrun
 
 
 def test_the_steps_that_fit_leave_the_reserve() -> None:
@@ -84,7 +84,7 @@ def test_the_linear_schedule_ends_with_the_run() -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_nmt_fits_its_length_to_the_budget_and_reruns_exactly(
-    corpus: Path, tmp_path: Path  # noqa: F811
+    corpus: Path, tmp_path: Path
 ) -> None:
     common = {"lr_schedule": "linear", "warmup_steps": 20, "max_minutes": 0, "log_every": 1}
     fitted = tmp_path / "fitted"

@@ -1,4 +1,4 @@
-"""What both apps share (apps/common.py): pipeline options asked of the library, resume checks."""
+"""What both apps share (apps/harness/): pipeline options asked of the library, resume checks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from apps import common
 from apps.amoebanet import train as amoebanet_train
 from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config
 from apps.config import ConfigError
+from apps.harness import checkpoints, rank0
 from apps.nmt import train as nmt_train
 from apps.nmt.config import NMTConfig, load_nmt_config
 
@@ -60,7 +60,7 @@ def test_resume_may_change_only_the_listed_keys(cls: type, may_change: frozenset
     saved = cls()
     fields = {f.name for f in dataclasses.fields(cls)}
     assert may_change <= fields
-    common.check_resumable(saved, dataclasses.replace(saved, out_dir="elsewhere",
+    checkpoints.check_resumable(saved, dataclasses.replace(saved, out_dir="elsewhere",
                                                       log_every=7),
                            may_change=may_change, checkpoint=Path("ckpt"))
     # the model, its partitioning and the data stream must match (an allow-list: a key not
@@ -69,7 +69,7 @@ def test_resume_may_change_only_the_listed_keys(cls: type, may_change: frozenset
         changed = dataclasses.replace(saved, **{key: value})
         with pytest.raises(ConfigError, match=rf"--resume from ckpt: the config differs in "
                                               rf"\{{'{key}'"):
-            common.check_resumable(saved, changed, may_change=may_change,
+            checkpoints.check_resumable(saved, changed, may_change=may_change,
                                    checkpoint=Path("ckpt"))
 
 
@@ -134,11 +134,11 @@ def test_a_silent_rank_0_is_named_and_a_beating_one_is_waited_for() -> None:
     begin = time.monotonic()
     with pytest.raises(gp.PipelineFailure, match=r"^rank 1 stops: rank 0 gave no sign of life "
                        r"for 1 s while preparing the corpus \(that rank hangs or died\)$"):
-        common.wait_for_rank0(client, key, what="preparing the corpus", rank=1, silence_s=1.0,
+        rank0.wait_for_rank0(client, key, what="preparing the corpus", rank=1, silence_s=1.0,
                               timeout_s=60)
     assert 1.5 + 1.0 <= time.monotonic() - begin < 1.5 + 1.0 + 1.0
     # a job three times longer than the silence bound, beating all along, is waited for
     key = "apps/on_rank0/evaluating"
     threading.Thread(target=beat, args=(6, True), daemon=True).start()
-    assert common.wait_for_rank0(client, key, what="evaluating", rank=1, silence_s=1.0,
+    assert rank0.wait_for_rank0(client, key, what="evaluating", rank=1, silence_s=1.0,
                                  timeout_s=60)

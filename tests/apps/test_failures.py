@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,13 @@ import pytest
 import torch
 
 import gpipe_core as gp
-from apps import common
 from apps.amoebanet import train
 from apps.config import ConfigError, save_config
+from apps.harness import checkpoints, guards
 from apps.nmt.config import NMTConfig
+from gpipe_core.launch import free_port
 from scripts import eval_bleu, eval_top1
-from tests.apps.test_amoebanet_train import fake_checkpoint, shards, tiny_args  # noqa: F401
-from tests.apps.test_nmt_train import corpus  # noqa: F401
+from tests.apps.test_amoebanet_train import fake_checkpoint, tiny_args
 from tests.apps.test_nmt_train import tiny_args as nmt_args
 from tests.distributed import launch as launch_helpers
 
@@ -42,11 +41,7 @@ HUNG_BOUND_S = 4 + gp.failure.NAMING_S + 2
 def launch(args: list[str], log: Path, *, module: str = "apps.amoebanet.train",
            torchrun: bool = True) -> subprocess.Popen[bytes]:
     """Start the train script (under torchrun, 2 ranks) writing its output to ``log``."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", module, *args]
+    command = launch_helpers.torchrun_command(module, args, nproc=2)
     if not torchrun:
         command = [sys.executable, "-m", module, *args]
     env = {k: v for k, v in os.environ.items()
@@ -100,7 +95,7 @@ def worker_pids(agent: int) -> dict[int, int]:
     return pids
 
 
-def long_run(shards: Path, out_dir: Path, **changes: Any) -> list[str]:  # noqa: F811
+def long_run(shards: Path, out_dir: Path, **changes: Any) -> list[str]:
     settings: dict[str, Any] = {"epochs": 100, "max_minutes": 0, "mixup": 0.0, "num_workers": 0}
     settings.update(changes)
     return tiny_args(shards, out_dir, **settings)
@@ -136,7 +131,7 @@ def test_a_train_script_without_torchrun_says_how_to_launch_it(tmp_path: Path) -
 
 
 def test_eval_scripts_name_the_other_apps_checkpoint(
-    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     amoebanet = fake_checkpoint(tmp_path / "amoebanet", shards)
     assert eval_bleu.main(["--ckpt", str(amoebanet)]) == 2
@@ -151,7 +146,7 @@ def test_eval_scripts_name_the_other_apps_checkpoint(
 
 
 def test_a_damaged_checkpoint_is_named_by_the_eval_script(
-    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     checkpoint = fake_checkpoint(tmp_path / "ckpt", shards)
     shard = checkpoint / "shard-000-of-001.pt"
@@ -163,18 +158,18 @@ def test_a_damaged_checkpoint_is_named_by_the_eval_script(
 
 
 def test_the_divergence_rule() -> None:
-    common.check_loss(2.0, step=1, num_classes=10, factor=1000, fix="lower lr")
-    with pytest.raises(common.DivergenceError, match=r"loss 1e\+12 at step 7 exceeds "
+    guards.check_loss(2.0, step=1, num_classes=10, factor=1000, fix="lower lr")
+    with pytest.raises(guards.DivergenceError, match=r"loss 1e\+12 at step 7 exceeds "
                        r"max_loss_factor=1000 x ln\(10\) = 2303 .*the run diverged; lower lr"):
-        common.check_loss(1e12, step=7, num_classes=10, factor=1000, fix="lower lr")
-    common.check_loss(1e12, step=7, num_classes=10, factor=0, fix="lower lr")  # rule off
-    with pytest.raises(common.DivergenceError, match="loss is nan at step 3"):
-        common.check_loss(float("nan"), step=3, num_classes=10, factor=0, fix="lower lr")
+        guards.check_loss(1e12, step=7, num_classes=10, factor=1000, fix="lower lr")
+    guards.check_loss(1e12, step=7, num_classes=10, factor=0, fix="lower lr")  # rule off
+    with pytest.raises(guards.DivergenceError, match="loss is nan at step 3"):
+        guards.check_loss(float("nan"), step=3, num_classes=10, factor=0, fix="lower lr")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_diverging_run_stops_with_one_message(shards: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_diverging_run_stops_with_one_message(shards: Path, tmp_path: Path) -> None:
     log = tmp_path / "out.txt"
     # a factor so small that the first loss (about ln 3) already counts as diverged
     process = launch(tiny_args(shards, tmp_path / "run", max_loss_factor=0.01), log)
@@ -191,7 +186,7 @@ def test_a_diverging_run_stops_with_one_message(shards: Path, tmp_path: Path) ->
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sigterm_saves_a_checkpoint_at_one_step_and_resume_continues(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     out_dir, log = tmp_path / "run", tmp_path / "out.txt"
     process = launch(long_run(shards, out_dir), log)
@@ -204,7 +199,7 @@ def test_sigterm_saves_a_checkpoint_at_one_step_and_resume_continues(
     assert checkpoint.name == f"step-{step:07d}"
     gp.verify_checkpoint(checkpoint)
     for rank in (0, 1):
-        state = common.load_train_state(checkpoint, rank, 2)
+        state = checkpoints.load_train_state(checkpoint, rank, 2)
         assert state["step"] == step
     resumed = subprocess_output(long_run(shards, out_dir, resume=True), tmp_path / "resume.txt",
                                 max_steps=step + 2)
@@ -222,7 +217,7 @@ def subprocess_output(args: list[str], log: Path, **changes: Any) -> str:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_that_stops_answering_is_named_within_the_bound(
-    shards: Path, tmp_path: Path  # noqa: F811
+    shards: Path, tmp_path: Path
 ) -> None:
     out_dir, log = tmp_path / "run", tmp_path / "out.txt"
     process = launch(long_run(shards, out_dir, timeout_s=4), log)
@@ -245,7 +240,7 @@ def test_a_rank_that_stops_answering_is_named_within_the_bound(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_resume_falls_back_past_a_damaged_checkpoint(shards: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_resume_falls_back_past_a_damaged_checkpoint(shards: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     subprocess_output(tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2),
                       tmp_path / "first.txt", max_steps=4)
@@ -263,7 +258,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(shards: Path, tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path: Path) -> None:
     # Ctrl-C: every rank stops at the same step with a checkpoint of it
     out_dir, log = tmp_path / "run", tmp_path / "out.txt"
     args = nmt_args(corpus, out_dir, max_steps=10_000, max_minutes=0, log_every=1, timeout_s=4)
@@ -275,7 +270,7 @@ def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path:
     assert f"interrupted (SIGINT) at step {step}: checkpoint" in output, output[-3000:]
     checkpoint = out_dir / (out_dir / "latest").read_text().strip()
     gp.verify_checkpoint(checkpoint)
-    assert [common.load_train_state(checkpoint, r, 2)["step"] for r in (0, 1)] == [step, step]
+    assert [checkpoints.load_train_state(checkpoint, r, 2)["step"] for r in (0, 1)] == [step, step]
     # resumed, then rank 1 stops answering (as the issue measured: SIGSTOP at a log step). It
     # once ran only on request: the pipeline group's collectives (clip_grad_norm_) waited
     # torch's 30-minute default instead of timeout_s, so rank 0 hung when rank 1 stopped there.
@@ -300,9 +295,8 @@ def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path:
 
 
 def launch_node(args: list[str], log: Path, port: int) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
-               "-m", "apps.amoebanet.train", *args]
+    command = launch_helpers.torchrun_command("apps.amoebanet.train", args, nnodes=2, nproc=1,
+                                              port=port, rdzv_id="two-nodes")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT)
@@ -310,10 +304,8 @@ def launch_node(args: list[str], log: Path, port: int) -> subprocess.Popen[bytes
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_lost_node_stops_the_other_with_a_checkpoint(shards: Path, tmp_path: Path) -> None:  # noqa: F811
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def test_a_lost_node_stops_the_other_with_a_checkpoint(shards: Path, tmp_path: Path) -> None:
+    port = free_port()
     out_dir = tmp_path / "run"
     args = long_run(shards, out_dir, timeout_s=10)
     logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
@@ -343,14 +335,12 @@ def test_a_lost_node_stops_the_other_with_a_checkpoint(shards: Path, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_nodes_train_exactly_as_one(shards: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_two_nodes_train_exactly_as_one(shards: Path, tmp_path: Path) -> None:
     def args(out_dir: Path) -> list[str]:
         return tiny_args(shards, out_dir, balance="5,4", epochs=1) + ["--max_steps=3"]
 
     launch_helpers.torchrun("apps.amoebanet.train", args(tmp_path / "one"), nproc=2)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
     nodes = [launch_node(args(tmp_path / "two"), log, port) for log in logs]
     for node, log in zip(nodes, logs, strict=True):

@@ -16,14 +16,13 @@ import torch
 from PIL import Image
 
 from apps.amoebanet.evaluate import load_model as load_amoebanet
-from apps.common import resolve_checkpoint
+from apps.harness.checkpoints import resolve_checkpoint
 from apps.nmt.evaluate import load_checkpoint, load_eval_sentences, translate
 from data.gettext_m2en.prepare import prepare
 from tests.apps import test_amoebanet_train as amoebanet_tests
 from tests.apps import test_nmt_train as nmt_tests
-from tests.apps.test_amoebanet_train import CLASSES, shards  # noqa: F401
+from tests.apps.test_amoebanet_train import CLASSES
 from tests.apps.test_nmt_data import build_locale_tree
-from tests.apps.test_nmt_train import corpus  # noqa: F401
 from tests.conftest import FLOAT32_REORDERED_REL
 from tests.distributed import launch
 
@@ -39,7 +38,7 @@ def command(module: str, *args: str, stdin: str = "") -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="module")
-def nmt_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def nmt_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny NMT checkpoint written by the real training loop (2 pipeline ranks)."""
     out_dir = tmp_path_factory.mktemp("nmt") / "run"
     nmt_tests.torchrun(nmt_tests.tiny_args(corpus, out_dir, max_steps=4, dropout=0.0))
@@ -47,7 +46,7 @@ def nmt_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # 
 
 
 @pytest.fixture(scope="module")
-def amoebanet_run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def amoebanet_run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny AmoebaNet checkpoint written by the real training loop (2 pipeline ranks)."""
     out_dir = tmp_path_factory.mktemp("amoebanet") / "run"
     amoebanet_tests.torchrun(amoebanet_tests.tiny_args(shards, out_dir, epochs=1))
@@ -59,7 +58,7 @@ def amoebanet_run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def test_translate_gives_one_line_per_line_as_evaluation_does(nmt_run: Path,
-                                                             corpus: Path) -> None:  # noqa: F811
+                                                             corpus: Path) -> None:
     loaded = load_checkpoint(nmt_run)
     assert loaded.model is not None
     sentences, _ = load_eval_sentences(corpus, "test", ["de"], max_per_lang=4,
@@ -262,7 +261,7 @@ def pipelined_hypotheses(rank: int, world_size: int, checkpoint: str, src_ids: t
 
 
 def test_pipelined_decoding_gives_the_single_process_hypotheses(
-    nmt_run: Path, corpus: Path, tmp_path: Path  # noqa: F811
+    nmt_run: Path, corpus: Path, tmp_path: Path
 ) -> None:
     from apps.nmt.evaluate import _pad
     from apps.nmt.search import beam_search
@@ -292,7 +291,7 @@ def test_pipelined_decoding_gives_the_single_process_hypotheses(
 
 
 def test_translate_under_torchrun_gives_the_single_process_output(
-    nmt_run: Path, corpus: Path, tmp_path: Path  # noqa: F811
+    nmt_run: Path, corpus: Path, tmp_path: Path
 ) -> None:
     sentences, _ = load_eval_sentences(corpus, "test", ["fr"], max_per_lang=4, pad_id=0)
     lines = [s.source for s in sentences]
@@ -303,15 +302,11 @@ def test_translate_under_torchrun_gives_the_single_process_output(
                 "--beam-size", beam, "--batch-lines", "2"]
         single = command("apps.nmt.translate", *args)
         assert single.returncode == 0, single.stderr
-        piped = command("torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-                        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-                        "-m", "apps.nmt.translate", *args)
+        piped = command(*launch.torchrun_command("apps.nmt.translate", args)[2:])
         assert piped.returncode == 0, piped.stderr
         assert piped.stdout == single.stdout and len(piped.stdout.splitlines()) == 5
-    wrong = command("torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-                    "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "-m",
-                    "apps.nmt.translate", "--ckpt", str(nmt_run), "--lang", "xx",
-                    "--input", str(source_file))
+    wrong = command(*launch.torchrun_command("apps.nmt.translate", [
+        "--ckpt", str(nmt_run), "--lang", "xx", "--input", str(source_file)])[2:])
     assert wrong.returncode != 0 and wrong.stderr.count("error: --lang=xx") == 1
 
 

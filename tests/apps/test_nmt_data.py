@@ -131,15 +131,6 @@ PREPARE_ARGS: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("catalogs")
-    build_locale_tree(root)
-    out = tmp_path_factory.mktemp("corpus")
-    prepare(out, locale_roots=[root], **PREPARE_ARGS)
-    return out
-
-
 def read_pairs(corpus: Path, split: str) -> list[tuple[str, str, str]]:
     lines = (corpus / "pairs" / f"{split}.tsv").read_text(encoding="utf-8").splitlines()
     return [tuple(line.split("\t")) for line in lines]  # type: ignore[misc]

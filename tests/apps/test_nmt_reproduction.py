@@ -9,20 +9,8 @@ from pathlib import Path
 import pytest
 
 from apps.nmt.config import replace
-from data.gettext_m2en.prepare import prepare
 from scripts import reproduce_depth_width, reproduce_stability
 from scripts.nmt_runs import divergence_step, loss_spikes, write_result
-from tests.apps.test_nmt_data import build_locale_tree
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("catalogs")
-    build_locale_tree(root)
-    out = tmp_path_factory.mktemp("corpus")
-    prepare(out, packages=None, locale_roots=[root], vocab_size=400, dev_fraction=0.1,
-            test_fraction=0.1, block_size=64, verbose=False)
-    return out
 
 
 def tiny_settings(corpus: Path) -> list[str]:

@@ -17,25 +17,12 @@ from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import CorpusError, load_tokenizer
 from apps.nmt.evaluate import CheckpointError, load_checkpoint, mean_token_loss
 from apps.nmt.model import token_cross_entropy_sum
-from data.gettext_m2en.prepare import prepare
 from scripts.eval_bleu import TokenizerMismatch, evaluate_checkpoint
-from tests.apps.test_nmt_data import build_locale_tree
 from tests.conftest import FLOAT32_REORDERED_REL
 from tests.distributed import launch
 from tests.distributed.launch import spawn
 
 VOCAB = 400  # the smallest the synthetic corpus allows (bytes + specials + tags + pieces)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Catalogs written by the test (4 languages, 40-600 messages), prepared like the real one."""
-    root = tmp_path_factory.mktemp("catalogs")
-    build_locale_tree(root)
-    out = tmp_path_factory.mktemp("corpus")
-    prepare(out, packages=None, locale_roots=[root], vocab_size=VOCAB, dev_fraction=0.1,
-            test_fraction=0.1, block_size=64, verbose=False)
-    return out
 
 
 def tiny_args(corpus: Path, out_dir: Path, **changes: Any) -> list[str]:

@@ -16,6 +16,9 @@ from tests.distributed.launch import spawn
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-10
+# Schedules with several stages per rank (virtual stages): tests below run them beside the
+# one-stage-per-rank ones; tests of what only they do are in test_virtual_stages.py.
+VIRTUAL = ("interleaved_1f1b", "interleaved_zb", "zb_v")
 
 
 class Block(nn.Module):
@@ -108,22 +111,32 @@ def run_pipeline(rank: int, world: int, balance: list[int], steps: int,
     return results
 
 
-@pytest.mark.parametrize("balance", [[3, 5], [2, 2, 2, 2]])
-def test_matches_single_process_reference(tmp_path: Path, balance: list[int]) -> None:
-    steps = 2
-    per_rank = spawn(run_pipeline, len(balance), tmp_path, balance, steps)
-    check_against_reference(per_rank, steps)
+FILL_DRAIN_1F1B = ("gpipe", "1f1b", "1f1b_slack1")
 
 
-@pytest.mark.parametrize("balance", [[3, 5], [2, 2, 2, 2]])
-def test_zero_bubble_schedules_match_single_process_reference(
-    tmp_path: Path, balance: list[int]
+@pytest.mark.parametrize(("world", "balance", "schedules", "chunk_counts", "steps"), [
+    pytest.param(2, [3, 5], FILL_DRAIN_1F1B, (1, 3, 4), 2, id="gpipe-1f1b-2ranks"),
+    pytest.param(4, [2, 2, 2, 2], FILL_DRAIN_1F1B, (1, 3, 4), 2, id="gpipe-1f1b-4ranks"),
+    # The backward split into I and W (W deferred); 8 micro-batches fill ZB-H2's 2K-1 warm-up
+    # on 4 stages.
+    pytest.param(2, [3, 5], ("zb_h1", "zb_h2"), (1, 3, 8), 2, id="zero-bubble-2ranks"),
+    pytest.param(4, [2, 2, 2, 2], ("zb_h1", "zb_h2"), (1, 3, 8), 2, id="zero-bubble-4ranks"),
+    # Two stages per rank; 3 micro-batches are uneven over 10 samples (4+3+3).
+    pytest.param(2, [2, 2, 2, 2], VIRTUAL, (1, 3, 8), 2, id="virtual-2ranks"),
+    pytest.param(4, [1] * 8, VIRTUAL, (1, 3, 8), 2, id="virtual-4ranks"),
+    # DualPipeV needs M >= 2 x ranks; 5 micro-batches of 10 samples are 2 each.
+    pytest.param(2, [2, 2, 2, 2], ("dualpipe_v",), (4, 5), 2, id="dualpipe-v-2ranks"),
+    pytest.param(4, [1] * 8, ("dualpipe_v",), (8,), 2, id="dualpipe-v-4ranks"),
+    pytest.param(2, [1, 1, 2, 2, 1, 1], ("interleaved_1f1b",), (2, 5), 1,
+                 id="three-stages-per-rank"),
+])
+def test_schedules_match_single_process_reference(
+    tmp_path: Path, world: int, balance: list[int], schedules: tuple[str, ...],
+    chunk_counts: tuple[int, ...], steps: int,
 ) -> None:
-    # The backward split into I and W (W deferred): same losses and gradients, with every
-    # re-materialization mode; 8 micro-batches fill ZB-H2's 2K-1 warm-up on 4 stages.
-    steps = 2
-    per_rank = spawn(run_pipeline, len(balance), tmp_path, balance, steps,
-                     ("zb_h1", "zb_h2"), (1, 3, 8))
+    # Same losses and every parameter's gradient, with every re-materialization mode; the
+    # sequence length changes between the two steps.
+    per_rank = spawn(run_pipeline, world, tmp_path, balance, steps, schedules, chunk_counts)
     check_against_reference(per_rank, steps)
 
 
@@ -184,11 +197,13 @@ def run_dropout(rank: int, world: int, balance: list[int], schedule: str = "gpip
     return float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()}
 
 
-@pytest.mark.parametrize(("schedule", "checkpoint"), [("gpipe", "always"), ("zb_h1", "always"),
-                                                     ("zb_h2", "except_last")])
+@pytest.mark.parametrize(("schedule", "checkpoint", "balance"), [
+    ("gpipe", "always", [3, 5]), ("zb_h1", "always", [3, 5]), ("zb_h2", "except_last", [3, 5]),
+    *[(schedule, "except_last", [2, 2, 2, 2]) for schedule in VIRTUAL],
+])
 def test_dropout_masks_equal_single_process_gpipe(tmp_path: Path, schedule: str,
-                                                  checkpoint: str) -> None:
-    per_rank = spawn(run_dropout, 2, tmp_path, [3, 5], schedule, checkpoint)
+                                                  checkpoint: str, balance: list[int]) -> None:
+    per_rank = spawn(run_dropout, 2, tmp_path, balance, schedule, checkpoint)
     check_dropout_against_gpipe(per_rank)
 
 
@@ -237,11 +252,11 @@ def test_meta_model_materializes_only_the_local_partition(tmp_path: Path) -> Non
             torch.testing.assert_close(grad, ref_grads[key], rtol=0, atol=TOL)
 
 
-def run_data_parallel(rank: int, world: int) -> Any:
+def run_data_parallel(rank: int, world: int, schedule: str, balance: list[int]) -> Any:
     pipeline_group, data_group = gp.init_process_groups(2)
     torch.manual_seed(0)
-    pipe = gp.DistributedGPipe(build(), [4, 4], chunks=2, loss_fn=loss_fn, group=pipeline_group,
-                               data_parallel_group=data_group)
+    pipe = gp.DistributedGPipe(build(), balance, chunks=2, loss_fn=loss_fn, group=pipeline_group,
+                               data_parallel_group=data_group, schedule=schedule)
     (x, mask), y = make_batch(0, n=8)
     replica = rank // 2
     half = slice(replica * 4, replica * 4 + 4)  # each replica takes half of the mini-batch
@@ -249,8 +264,10 @@ def run_data_parallel(rank: int, world: int) -> Any:
     return float(loss), {k: p.grad.clone() for k, p in pipe.named_parameters()}
 
 
-def test_pipeline_times_data_parallel(tmp_path: Path) -> None:
-    per_rank = spawn(run_data_parallel, 4, tmp_path)
+@pytest.mark.parametrize(("schedule", "balance"), [
+    ("gpipe", [4, 4]), *[(schedule, [2, 2, 2, 2]) for schedule in VIRTUAL]])
+def test_pipeline_times_data_parallel(tmp_path: Path, schedule: str, balance: list[int]) -> None:
+    per_rank = spawn(run_data_parallel, 4, tmp_path, schedule, balance)
     torch.manual_seed(0)
     model = build()
     (x, mask), y = make_batch(0, n=8)
@@ -327,32 +344,49 @@ def test_checkpoint_with_the_same_balance_reads_only_the_stages_own_shard(
     assert isinstance(second, str) and f"checkpoint file {other} is damaged" in second
 
 
-def run_clip_and_trace(rank: int, world: int, root: str) -> Any:
+def run_clip_and_trace(rank: int, world: int, root: str, schedule: str,
+                       balance: list[int]) -> Any:
     torch.manual_seed(0)
-    pipe = gp.DistributedGPipe(build(), [4, 4], chunks=4, loss_fn=loss_fn, record=True)
+    pipe = gp.DistributedGPipe(build(), balance, chunks=4, loss_fn=loss_fn, record=True,
+                               schedule=schedule)
     (x, mask), y = make_batch(0)
     pipe.step((x, mask), y)
     norm = pipe.clip_grad_norm_(1e-3)
     pipe.trace(f"{root}/trace.json", f"{root}/timeline.png")
-    return float(norm), {k: p.grad.clone() for k, p in pipe.named_parameters()}
+    return (float(norm), {k: p.grad.clone() for k, p in pipe.named_parameters()},
+            [e.action for e in pipe.timeline])
 
 
-def test_global_grad_clipping_and_timeline(tmp_path: Path) -> None:
-    per_rank = spawn(run_clip_and_trace, 2, tmp_path, str(tmp_path))
+@pytest.mark.parametrize(("schedule", "balance", "row_names"), [
+    ("gpipe", [4, 4], None),
+    ("zb_v", [2, 2, 2, 2], {0: "rank 0 (stages 0, 3)", 1: "rank 1 (stages 1, 2)"}),
+])
+def test_global_grad_clipping_and_timeline(tmp_path: Path, schedule: str, balance: list[int],
+                                           row_names: dict[int, str] | None) -> None:
+    per_rank = spawn(run_clip_and_trace, 2, tmp_path, str(tmp_path), schedule, balance)
     torch.manual_seed(0)
     model = build()
     _, ref = reference(model, 4, 1)
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    for norm, grads in per_rank:
+    for norm, grads, _ in per_rank:
         assert norm == pytest.approx(float(total), rel=1e-9)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad,
                                        rtol=0, atol=1e-12)
     import json
 
+    expected = gp.schedule.get_schedule(schedule, len(balance), 4, num_ranks=2)
+    for rank, (_, _, actions) in enumerate(per_rank):  # each rank ran its row, in order
+        assert actions == [str(a) for a in expected.actions[rank]]
     trace = json.loads((tmp_path / "trace.json").read_text())
-    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert names == {f"{s}{k}{m}" for s in range(2) for k in "FB" for m in range(4)}
+    rows = {(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert rows == {(expected.placement[a.stage], str(a)) for row in expected.actions for a in row}
+    if schedule == "gpipe":
+        assert {name for _, name in rows} == {f"{s}{k}{m}" for s in range(2) for k in "FB"
+                                              for m in range(4)}
+    if row_names is not None:
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+        assert names == row_names
     assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
@@ -370,28 +404,67 @@ def build_tied() -> nn.Sequential:
     return nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), Tied(first.weight)).double()
 
 
-def run_tied(rank: int, world: int) -> Any:
-    torch.manual_seed(0)
-    pipe = gp.DistributedGPipe(build_tied(), [2, 3], chunks=2, loss_fn=loss_fn_tied,
-                               tied=("0.weight", "4.weight"))
-    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    pipe.step(x, x)
-    return {k: p.grad.clone() for k, p in pipe.named_parameters()}
-
-
 def loss_fn_tied(out: Tensor, target: Tensor) -> Tensor:
     return ((out - target) ** 2).mean()
 
 
-def test_tied_first_and_last_weight(tmp_path: Path) -> None:
-    per_rank = spawn(run_tied, 2, tmp_path)
+def init_tied(layer: torch.nn.Module, index: int) -> None:
+    """Meta-device initialisation: the tied copy on the last stage starts as zeros (the first
+    stage's copy replaces it)."""
+    reset = getattr(layer, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    else:
+        for param in layer.parameters():
+            torch.nn.init.zeros_(param)
+
+
+def run_tied(rank: int, world: int, schedule: str, balance: list[int], meta: bool) -> Any:
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            model = build_tied()
+    else:
+        model = build_tied()
+    pipe = gp.DistributedGPipe(model, balance, chunks=2, loss_fn=loss_fn_tied,
+                               tied=("0.weight", "4.weight"), schedule=schedule, seed=3,
+                               init_fn=init_tied if meta else None)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    params = dict(pipe.named_parameters(remove_duplicate=False))
+    start = {k: p.detach().clone() for k, p in params.items()}
+    pipe.step(x, x)
+    norm = float(pipe.clip_grad_norm_(1e9))
+    return start, {k: p.grad.clone() for k, p in params.items()}, norm
+
+
+@pytest.mark.parametrize(("schedule", "balance"), [
+    ("gpipe", [2, 3]), *[(schedule, [1, 1, 2, 1]) for schedule in VIRTUAL]])
+@pytest.mark.parametrize("meta", [False, True])
+def test_tied_first_and_last_weight(tmp_path: Path, schedule: str, balance: list[int],
+                                    meta: bool) -> None:
+    # gpipe and interleaved: the ends on ranks 0 and 1; zb_v: both on rank 0 (kept equal in
+    # place).
+    per_rank = spawn(run_tied, 2, tmp_path, schedule, balance, meta)
     torch.manual_seed(0)
     model = build_tied()
+    if meta:
+        with torch.device("meta"):
+            model = build_tied()
+        gp.materialize(model, seed=3, init_fn=init_tied)
+        model[4].weight = model[0].weight
     x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     (sum(loss_fn_tied(model(a), a) for a in x.tensor_split(2)) / 2).backward()
     expected = model[0].weight.grad
-    torch.testing.assert_close(per_rank[0]["0.weight"], expected, rtol=0, atol=TOL)
-    torch.testing.assert_close(per_rank[1]["4.weight"], expected, rtol=0, atol=TOL)
+    total = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+    copies = [(start, grads) for start, grads, _ in per_rank]
+    for name in ("0.weight", "4.weight"):
+        holders = [(s, g) for s, g in copies if name in g]
+        assert holders, name
+        for start, grads in holders:
+            torch.testing.assert_close(start[name], model[0].weight.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(grads[name], expected, rtol=0, atol=TOL)
+    for _, _, norm in per_rank:
+        assert norm == pytest.approx(float(total), abs=1e-9)
 
 
 def run_failing(rank: int, world: int) -> None:
@@ -440,20 +513,27 @@ def test_a_dead_rank_is_named_by_the_survivor(tmp_path: Path) -> None:
     assert time.monotonic() - start < 60
 
 
-def run_evaluate(rank: int, world: int) -> Any:
+def run_evaluate(rank: int, world: int, schedule: str, balance: list[int]) -> Any:
     torch.manual_seed(0)
-    pipe = gp.DistributedGPipe(build(p=0.2), [4, 4], chunks=3, loss_fn=loss_fn, schedule="1f1b")
+    pipe = gp.DistributedGPipe(build(p=0.2), balance, chunks=3, loss_fn=loss_fn,
+                               schedule=schedule)
     (x, mask), y = make_batch(0)
     pipe.eval()
-    loss, out = pipe.evaluate((x, mask), y, return_outputs=True)
+    loss, out = pipe.evaluate((x, mask) if pipe.is_first else None, y if pipe.is_last else None,
+                              return_outputs=True)
     pipe.train()
     pipe.step((x, mask), y)  # training and evaluation interleave freely
-    loss_again, _ = pipe.evaluate((x, mask), y)
+    pipe.eval()
+    loss_again, _ = pipe.evaluate((x, mask), y)  # no optimizer step: the same loss
     return float(loss), out, float(loss_again), pipe.steps_done
 
 
-def test_evaluate_is_a_forward_only_pass(tmp_path: Path) -> None:
-    per_rank = spawn(run_evaluate, 2, tmp_path)
+@pytest.mark.parametrize(("schedule", "balance", "last_rank"), [
+    ("1f1b", [4, 4], 1), ("interleaved_1f1b", [2, 2, 2, 2], 1),
+    ("interleaved_zb", [2, 2, 2, 2], 1), ("zb_v", [2, 2, 2, 2], 0)])
+def test_evaluate_is_a_forward_only_pass(tmp_path: Path, schedule: str, balance: list[int],
+                                         last_rank: int) -> None:
+    per_rank = spawn(run_evaluate, 2, tmp_path, schedule, balance)
     torch.manual_seed(0)
     model = build(p=0.2).eval()
     (x, mask), y = make_batch(0)
@@ -461,10 +541,11 @@ def test_evaluate_is_a_forward_only_pass(tmp_path: Path) -> None:
         out = model((x, mask))
         expected = sum(loss_fn(o, t) for o, t in zip(out.tensor_split(3), y.tensor_split(3),
                                                       strict=True)) / 3
-    for rank, (loss, outputs, _, steps) in enumerate(per_rank):
+    for rank, (loss, outputs, loss_again, steps) in enumerate(per_rank):
         assert loss == pytest.approx(float(expected), abs=TOL)
+        assert loss_again == pytest.approx(float(expected), abs=TOL)
         assert steps == 1
-        if rank == 1:
+        if rank == last_rank:  # the outputs live on the rank of the last stage only
             torch.testing.assert_close(outputs, out, rtol=0, atol=TOL)
         else:
             assert outputs is None

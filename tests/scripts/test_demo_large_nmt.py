@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from scripts import demo_large_nmt
-from tests.apps.test_nmt_train import corpus  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def test_tiny_demo_measures_every_process(corpus: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_tiny_demo_measures_every_process(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
     assert demo_large_nmt.main(["--tiny", "--data-dir", str(corpus), "--budget-mb", "256",
                                 "--run-dir", str(tmp_path / "run"), "--out", str(out)]) == 0

@@ -14,7 +14,7 @@ from torch import nn
 
 from scripts.reproduction import layer_sizes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_layer_sizes_counts_saved_activations_not_parameters() -> None:

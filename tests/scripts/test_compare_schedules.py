@@ -11,7 +11,7 @@ import pytest
 
 from scripts.compare_schedules import compare
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_zero_bubble_and_virtual_schedules_beat_1f1b_in_unit_time() -> None:

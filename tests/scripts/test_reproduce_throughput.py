@@ -12,7 +12,7 @@ import pytest
 
 from scripts.reproduce_throughput import CONFIGS, fit_transfer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fit_transfer_recovers_latency_and_bandwidth() -> None:
@@ -77,7 +77,13 @@ def test_plan_choice_on_the_committed_results() -> None:
         row = compare(result, 2**30, 0.0)
         choice = row["plan_choice"]
         assert choice["K"] in (1, 2) and choice["predicted_peak_mb"] <= 1024
-        assert row["choice_over_best"] >= 0  # nothing measured beats the best measured
+        # docs/REPRODUCTION.md's claim: given the costs profiled at each M, gp.plan picks the
+        # best measured configuration (0% over it; 5% allows a near tie), within the budget;
+        # dividing whole-batch costs by M instead picks one that is measurably slower.
+        profiled = compare(result, 512 * 2**20, 0.0, per_microbatch=True)
+        assert profiled["choice_over_best"] <= 0.05, profiled
+        assert profiled["plan_choice"]["predicted_peak_mb"] <= 512
+        assert row["choice_over_best"] > profiled["choice_over_best"] + 0.5, (row, profiled)
 
 
 def test_live_tensor_bytes_counts_what_is_alive_at_once() -> None:

@@ -1,0 +1,84 @@
+"""A train script's entry point under torchrun: an error the user can fix is one line, once."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+import gpipe_core as gp
+from apps.config import ConfigError
+from apps.harness.checkpoints import CheckpointError, CheckpointWriteError
+from apps.harness.guards import DivergenceError, Interrupted
+
+CLEAR_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, CheckpointError, CheckpointWriteError, gp.CheckpointCorruptError,
+    gp.PipelineFailure, DivergenceError,
+)
+
+
+def run_main(main: Callable[[], Any], *, command: str,
+             errors: tuple[type[BaseException], ...] = ()) -> None:
+    """A train script's entry point under torchrun: an error the user can fix (``CLEAR_ERRORS``
+    and ``errors``) prints one line, once for the run rather than once per rank, and exits with
+    status 1 instead of a traceback per rank; it is also recorded in the c10d store, so the
+    other ranks name it (see gp.report_failure). ``command`` is how to launch it with torchrun.
+    """
+    if not all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        print(f"error: this script runs one process per pipeline stage under torchrun: "
+              f"`{command}`", file=sys.stderr)
+        sys.exit(2)
+    try:
+        main()
+    except Interrupted as stop:
+        if str(stop):
+            _close_progress_bars()
+            print(str(stop), file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
+    except (*CLEAR_ERRORS, *errors) as error:
+        gp.report_failure(error)
+        if _first_to_say(error):
+            _close_progress_bars()
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception as error:
+        # a bug: its traceback follows, but the other ranks name it rather than a hang
+        gp.report_failure(error)
+        raise
+
+
+def _close_progress_bars() -> None:
+    """End tqdm's open bars, so that a message starts on a line of its own."""
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", [])):
+            bar.close()
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
+
+
+def _first_to_say(error: BaseException) -> bool:
+    """Rank 0 says its error; another rank only one that rank 0 does not say as well."""
+    rank = int(os.environ.get("RANK", "0"))
+    if isinstance(error, gp.PipelineFailure):
+        return True  # each survivor says where it stopped
+    text = f"{type(error).__name__}: {error}"
+    try:
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001
+        store = None
+    if store is None:
+        return rank == 0  # before the process group: every rank read the same config
+    try:
+        store.set(f"apps/error/{rank}", text)
+        if rank == 0:
+            return True
+        store.wait(["apps/error/0"], datetime.timedelta(seconds=2))
+        return bool(store.get("apps/error/0").decode() != text)
+    except Exception:  # noqa: BLE001 - rank 0 said nothing (or no store): say it here
+        return True
