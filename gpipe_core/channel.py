@@ -94,11 +94,7 @@ class Channel:
 
     def wait(self, posted: Posted) -> Tensor:
         """The posted receive's buffer once the message is in (at most ``timeout_s``)."""
-        try:
-            posted.work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise peer_failure(f"{self.where}, waiting for stage {posted.stage},", exc,
-                               self.timeout_s) from exc
+        self._wait(posted, "waiting for")
         return posted.buffer
 
     def recv(self, buffer: Tensor, stage: int, tag: int) -> Tensor:
@@ -112,8 +108,12 @@ class Channel:
             self._wait_sent(sent)
 
     def _wait_sent(self, sent: Posted) -> None:
+        self._wait(sent, "sending to")
+
+    def _wait(self, posted: Posted, doing: str) -> None:
+        """Wait for one message (at most ``timeout_s``), naming the peer if it does not come."""
         try:
-            sent.work.wait(self.timeout)
+            posted.work.wait(self.timeout)
         except RuntimeError as exc:
-            raise peer_failure(f"{self.where}, sending to stage {sent.stage},", exc,
+            raise peer_failure(f"{self.where}, {doing} stage {posted.stage},", exc,
                                self.timeout_s) from exc
