@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 import gpipe_core as gp
-from gpipe_core.launch import stop
+from gpipe_core.launch import start, stop
 from gpipe_core.partition import optimal_balance
 from scripts.bench_pipeline import reset_peak_rss, rss_mb
 from scripts.reproduction import FAMILIES, TINY_FAMILIES, Family, layer_sizes
@@ -202,11 +202,11 @@ def run_trial(family: Family, index: int, column: str, args: argparse.Namespace)
     spec = {"family": family.name, "size": family.ladder[index], "column": column,
             "stages": stages, "chunks": args.chunks, "checkpoint": args.checkpoint,
             "budget": args.budget_mb * MB, "tiny": args.tiny}
-    start = time.monotonic()
+    began = time.monotonic()
     with tempfile.TemporaryDirectory() as root:
         context = start(_trial_worker, stages, root, spec, root, pg_timeout_s=120,
                         process_group=_distributed(spec))
-        deadline = start + args.trial_timeout
+        deadline = began + args.trial_timeout
         results: dict[int, dict[str, Any]] = {}
         while len(results) < stages and time.monotonic() < deadline:
             for rank in range(stages):
@@ -225,7 +225,7 @@ def run_trial(family: Family, index: int, column: str, args: argparse.Namespace)
                     break
             time.sleep(0.05)
         stop(context)
-    seconds = time.monotonic() - start
+    seconds = time.monotonic() - began
     errors = [r["error"] for r in results.values() if "error" in r]
     if errors:
         raise RuntimeError(f"trial {family.name} {family.describe(spec['size'])} {column} "
