@@ -1,9 +1,12 @@
 """The two first commands, measured as a new user runs them: do they reach their goal in time?
 
     python scripts/reproduce_defaults.py --condition normal   # one after the other
-    python scripts/reproduce_defaults.py --condition slowed   # both at once: each gets about
-                                                              # half the cores, as on a machine
-                                                              # half as fast
+    python scripts/reproduce_defaults.py --condition halved   # one after the other, each beside
+                                                              # a busy loop on every core: a
+                                                              # machine half as fast
+    python scripts/reproduce_defaults.py --condition slowed   # both at once (4 ranks and their
+                                                              # loaders on 2 cores: slower than
+                                                              # half as fast, 2-3x here)
 
 runs ``make train-amoebanet`` and ``make train-nmt`` with their defaults (each into
 ``runs/<condition>/<app>``), samples the load average every 30 s while they run, and writes
@@ -38,12 +41,27 @@ from scripts.provenance import ROOT, provenance  # noqa: E402
 
 APPS = {"amoebanet": "train-amoebanet", "nmt": "train-nmt"}
 LIMIT_MINUTES = 30.0
+HOW = {
+    "normal": "make train-amoebanet, then make train-nmt, each alone",
+    "halved": "make train-amoebanet, then make train-nmt, each beside one busy loop pinned to "
+              "each core at the same priority (a machine half as fast)",
+    "slowed": "make train-amoebanet and make train-nmt at once, each with 2 ranks on the 2 cores",
+}
 TOP1_GOAL = 0.90
 
 
 def sample_load(stop: threading.Event, samples: list[float], every_s: float = 30.0) -> None:
     while not stop.wait(every_s):
         samples.append(os.getloadavg()[0])
+
+
+def busy_loops() -> list[subprocess.Popen[bytes]]:
+    """One spinning process per core, each pinned to its core at the runs' own priority: the
+    scheduler then gives every other runnable process about half of a core, so the machine
+    runs at about half its speed, however the runs place their ranks."""
+    spin = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin, str(core)])
+            for core in sorted(os.sched_getaffinity(0))]
 
 
 def run_app(app: str, out_dir: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -83,7 +101,7 @@ def result_of(app: str, out_dir: Path, wall_minutes: float | None) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--condition", choices=["normal", "slowed"], required=True)
+    parser.add_argument("--condition", choices=["normal", "halved", "slowed"], required=True)
     parser.add_argument("--apps", nargs="+", choices=list(APPS), default=list(APPS))
     parser.add_argument("--collect", action="store_true",
                         help="record the runs already in runs/<condition>/ instead of running")
@@ -114,20 +132,24 @@ def main() -> None:
                             raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
                         walls[app] = (time.monotonic() - begin) / 60
                 time.sleep(1.0)
-        else:  # one after the other, each alone on the machine
-            for app in args.apps:
-                begin = time.monotonic()
-                if run_app(app, out_dirs[app], logs[app]).wait() != 0:
-                    raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
-                walls[app] = (time.monotonic() - begin) / 60
+        else:  # one after the other, each alone on the machine (or beside the busy loops)
+            spinners = busy_loops() if args.condition == "halved" else []
+            try:
+                for app in args.apps:
+                    begin = time.monotonic()
+                    if run_app(app, out_dirs[app], logs[app]).wait() != 0:
+                        raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
+                    walls[app] = (time.monotonic() - begin) / 60
+            finally:
+                for spinner in spinners:
+                    spinner.kill()
+                    spinner.wait()
         stop.set()
     results = {app: result_of(app, out_dirs[app], walls[app]) for app in args.apps}
     record = {
         "command": "python scripts/reproduce_defaults.py " + " ".join(sys.argv[1:]),
         "condition": args.condition,
-        "how": ("make train-amoebanet and make train-nmt at once, each with 2 ranks on the 2 "
-                "cores" if args.condition == "slowed" else
-                "make train-amoebanet, then make train-nmt, each alone"),
+        "how": HOW[args.condition],
         "note": args.note,
         "load_average_1min_while_running": (
             {"min": min(samples), "median": statistics.median(samples), "max": max(samples),
