@@ -65,7 +65,6 @@ from apps.amoebanet.data import (
     build_train_loader,
     build_train_loss,
     class_names,
-    dataset_is_complete,
     num_images,
     shard_infos,
 )
@@ -78,6 +77,7 @@ from apps.harness.loop import DATA_ENDED, STOP, TrainingLoop, every, find_resume
 from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
+from data.image_shards import dataset_is_complete
 
 # Models up to this size are balanced by the measured time of each layer on rank 0 (a full
 # copy is materialized for it); larger ones by parameter count, so no rank holds the whole model.
