@@ -35,11 +35,10 @@ import torch
 import webdataset as wds
 from PIL import Image
 from timm.data import Mixup, create_transform
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, get_worker_info
 
-from apps.amoebanet.config import AmoebaNetConfig
+from apps.amoebanet.config import AmoebaNetConfig, soft_targets
 from data.image_shards import DATASET_JSON, IMAGE_EXTENSIONS, LABEL_EXTENSION, shard_glob
 
 Batch = tuple[Tensor, Tensor]  # images [B, C, H, W] float32; targets [B] int64 or [B, classes]
@@ -316,7 +315,7 @@ def build_transform(config: AmoebaNetConfig, *, training: bool) -> Callable[[Ima
 
 def build_mixup(config: AmoebaNetConfig) -> Mixup | None:
     """timm Mixup/CutMix (with label smoothing folded in), or None when both alphas are 0."""
-    if config.mixup <= 0 and config.cutmix <= 0:
+    if not soft_targets(config):
         return None
     return Mixup(
         mixup_alpha=config.mixup,
@@ -324,20 +323,6 @@ def build_mixup(config: AmoebaNetConfig) -> Mixup | None:
         label_smoothing=config.label_smoothing,
         num_classes=config.num_classes,
     )
-
-
-def build_train_loss(config: AmoebaNetConfig) -> nn.Module:
-    """Training loss matching the loader's targets.
-
-    Soft targets (mixup/cutmix) -> ``SoftTargetCrossEntropy``; else label smoothing ->
-    ``LabelSmoothingCrossEntropy``; else plain cross-entropy. Evaluation uses plain
-    ``nn.CrossEntropyLoss`` on the eval loader's integer labels.
-    """
-    if build_mixup(config) is not None:
-        return SoftTargetCrossEntropy()
-    if config.label_smoothing > 0:
-        return LabelSmoothingCrossEntropy(smoothing=config.label_smoothing)
-    return nn.CrossEntropyLoss()
 
 
 def image_pipeline(
@@ -400,7 +385,7 @@ def build_train_loader(
     """One epoch of shuffled, augmented training batches ``(images, targets)``.
 
     Targets are int64 class indices, or soft targets ``[B, num_classes]`` when mixup/cutmix is
-    on (use ``build_train_loss``). The last partial batch is dropped. Build a new loader per
+    on (use ``apps.amoebanet.loss.build_train_loss``). The last partial batch is dropped. Build a new loader per
     epoch: ``epoch`` reseeds the shard order, shuffle buffer, augmentation and mixup. With
     ``dp_size > 1`` each data-parallel replica reads every ``dp_size``-th shard.
     """

@@ -23,8 +23,8 @@ from apps.amoebanet.data import (
     DatasetNotFoundError,
     build_eval_loader,
     build_train_loader,
-    build_train_loss,
 )
+from apps.amoebanet.loss import build_train_loss
 from data.fashion_mnist.prepare import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
 from data.image_shards import (
     DATASET_JSON,
