@@ -44,9 +44,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test's images as AmoebaNet shards with dataset.json, written with the data module's
+    """The test's images as AmoebaNet shards with dataset.json, written with the shard format's
     writer (read-only for the tests)."""
-    from apps.amoebanet.data import write_dataset_json, write_split
+    from data.image_shards import write_dataset_json, write_split
     from tests.apps.test_amoebanet_train import (
         CLASSES,
         TEST_IMAGES,

@@ -184,6 +184,11 @@ def load_train_config(argv: Sequence[str]) -> AmoebaNetConfig:
         raise ConfigError(f"{error}; run options: --resume, --max_steps=N") from None
 
 
+def soft_targets(config: AmoebaNetConfig) -> bool:
+    """Whether training targets are ``[B, num_classes]`` floats: mixup or cutmix mixes them."""
+    return config.mixup > 0 or config.cutmix > 0
+
+
 def optimizer_kwargs(config: AmoebaNetConfig) -> dict[str, Any]:
     """Keyword arguments for ``timm.optim.create_optimizer_v2(model, **optimizer_kwargs(c))``."""
     kwargs: dict[str, Any] = {

@@ -1,21 +1,13 @@
-"""Image data as webdataset shards: the shard format, its writer, and seeded train/eval loaders.
+"""Seeded train/eval loaders over image shards: stream, check, decode, augment, batch.
 
-On disk a dataset is one folder::
-
-    dataset.json            {"name", "classes" (index order), "image_mode", "splits": {split:
-                             {"images", "class_counts", "shards", "shard_images",
-                             "shard_bytes"}}}; written last, so its presence means "complete"
-    train-000000.tar ...    samples "<key>.png" (or .jpg) + "<key>.cls" (class index as text)
-    test-000000.tar ...
-
+The shard format (``dataset.json``, ``<split>-NNNNNN.tar`` of ``.png``/``.jpg`` + ``.cls``
+members) and its writer live in ``data/image_shards.py``; the preparers in ``data/`` write it.
 A shard whose size or sample count differs from dataset.json, or that tarfile or PIL cannot
 read, raises ``CorruptShardError`` naming it (or is skipped with a warning when
 ``skip_corrupt_shards`` is set). ``dataset="shards"`` also accepts a folder of
-``<split>-*.tar`` without dataset.json (then nothing is checked beyond readability).
-
-``data/fashion_mnist/prepare.py`` and ``data/imagenet/prepare.py`` write it with
-``write_split`` / ``write_dataset_json``; the loaders below stream it with webdataset, decode
-with PIL, transform with timm's ``create_transform`` and batch inside the workers.
+``<split>-*.tar`` without dataset.json (then nothing is checked beyond readability). The
+loaders stream with webdataset, decode with PIL, transform with timm's ``create_transform`` and
+batch inside the workers.
 
 Determinism: the shard order, the shuffle buffer and mixup draw from RNGs seeded by
 ``(config.seed, epoch, worker)``, and worker seeds (timm's random crops and flips) come from a
@@ -30,7 +22,6 @@ from __future__ import annotations
 import io
 import json
 import random
-import shutil
 import tarfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -44,14 +35,12 @@ import torch
 import webdataset as wds
 from PIL import Image
 from timm.data import Mixup, create_transform
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, get_worker_info
 
-from apps.amoebanet.config import AmoebaNetConfig
+from apps.amoebanet.config import AmoebaNetConfig, soft_targets
+from data.image_shards import DATASET_JSON, IMAGE_EXTENSIONS, LABEL_EXTENSION, shard_glob
 
-DATASET_JSON = "dataset.json"
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 Batch = tuple[Tensor, Tensor]  # images [B, C, H, W] float32; targets [B] int64 or [B, classes]
 
 # The command that builds each dataset, quoted in "dataset not found" errors.
@@ -70,122 +59,6 @@ class DatasetNotFoundError(FileNotFoundError):
 
 class CorruptShardError(RuntimeError):
     """A shard (or an image inside it) cannot be read; the message names the shard."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One encoded image and its class index, as stored in a shard."""
-
-    key: str  # unique within the split; no dots (webdataset splits keys at the first dot)
-    image: bytes  # encoded image file (PNG, JPEG, ...)
-    ext: str  # "png", "jpg", ...
-    label: int
-
-
-def encode_png(pixels: np.ndarray) -> bytes:
-    """PNG bytes of an HxW (grayscale) or HxWx3 (RGB) uint8 array."""
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def write_split(
-    samples: Iterable[Sample],
-    out_dir: str | Path,
-    split: str,
-    *,
-    num_classes: int,
-    max_per_shard: int = 5000,
-) -> dict[str, Any]:
-    """Write ``samples`` as ``<split>-NNNNNN.tar`` shards; return the split's dataset.json entry.
-
-    Shards are written under a temporary name and renamed once complete, so an interrupted run
-    never leaves a truncated ``.tar`` that looks finished.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*out_dir.glob(f"{split}-*.tar"), *out_dir.glob(f"{split}-*.tar.partial")]:
-        stale.unlink()
-    counts = [0] * num_classes
-    images_per_shard: dict[int, int] = {}
-    pattern = str(out_dir / f"{split}-%06d.tar.partial")
-    # USTAR with a fixed integer mtime: no PAX header per member (halves the size of small-image
-    # shards) and byte-identical shards when rebuilt
-    with wds.ShardWriter(pattern, maxcount=max_per_shard, verbose=0, mtime=0,
-                         format=tarfile.USTAR_FORMAT) as writer:
-        for sample in samples:
-            if not 0 <= sample.label < num_classes:
-                raise ValueError(
-                    f"sample {sample.key!r} has label {sample.label}, outside [0, {num_classes})"
-                )
-            if "." in sample.key:
-                raise ValueError(f"sample key {sample.key!r} must not contain '.'")
-            writer.write({"__key__": sample.key, sample.ext: sample.image, "cls": sample.label})
-            counts[sample.label] += 1
-            shard_index = writer.shard - 1  # ShardWriter has already advanced to the next name
-            images_per_shard[shard_index] = images_per_shard.get(shard_index, 0) + 1
-    shards, shard_bytes = [], []
-    for index in sorted(images_per_shard):
-        partial_path = Path(pattern % index)
-        final = partial_path.with_suffix("")  # drop ".partial"
-        partial_path.rename(final)
-        shards.append(final.name)
-        shard_bytes.append(final.stat().st_size)
-    # per-shard sizes and counts let the reader detect truncated or damaged shards, which
-    # Python's tarfile would otherwise read as a shorter archive without any error
-    return {"images": sum(counts), "class_counts": counts, "shards": shards,
-            "shard_images": [images_per_shard[i] for i in sorted(images_per_shard)],
-            "shard_bytes": shard_bytes}
-
-
-def write_dataset_json(
-    out_dir: str | Path,
-    *,
-    name: str,
-    classes: Sequence[str],
-    image_mode: str,
-    splits: dict[str, dict[str, Any]],
-    **extra: Any,
-) -> dict[str, Any]:
-    """Write dataset.json (class names in index order, per-split counts); return its content."""
-    info = {"name": name, "classes": list(classes), "image_mode": image_mode, "splits": splits,
-            **extra}
-    path = Path(out_dir) / DATASET_JSON
-    tmp = path.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    tmp.rename(path)  # written last and atomically: its presence means the dataset is complete
-    return info
-
-
-def dataset_is_complete(out_dir: str | Path) -> bool:
-    """True when dataset.json exists and every shard it lists is on disk."""
-    out_dir = Path(out_dir)
-    try:
-        info = json.loads((out_dir / DATASET_JSON).read_text())
-        return all(
-            (out_dir / shard).is_file()
-            for split in info["splits"].values()
-            for shard in split["shards"]
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def remove_partial_files(out_dir: str | Path) -> None:
-    """Delete leftovers of an interrupted write (``*.partial``)."""
-    for path in Path(out_dir).glob("*.partial"):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading
 
 
 def _missing(config: AmoebaNetConfig, what: str) -> DatasetNotFoundError:
@@ -221,9 +94,10 @@ def shard_infos(config: AmoebaNetConfig, split: str) -> list[ShardInfo]:
     data_dir = Path(config.data_dir)
     info = read_dataset_info(config)
     if info is None:
-        paths = sorted(data_dir.glob(f"{split}-*.tar"))
+        paths = sorted(data_dir.glob(shard_glob(split)))
         if not paths:
-            raise _missing(config, f"no {split}-*.tar shards and no {DATASET_JSON} in {data_dir}")
+            raise _missing(config, f"no {shard_glob(split)} shards and no {DATASET_JSON} in "
+                                   f"{data_dir}")
         return [ShardInfo(str(p)) for p in paths]
     splits = info.get("splits", {})
     if split not in splits:
@@ -251,14 +125,14 @@ def shard_urls(config: AmoebaNetConfig, split: str) -> list[str]:
 
 
 def num_images(config: AmoebaNetConfig, split: str) -> int:
-    """Images in a split: from dataset.json, else by listing the shards' ``.cls`` members."""
+    """Images in a split: from dataset.json, else by counting the shards' label members."""
     info = read_dataset_info(config)
     if info is not None:
         return int(info["splits"][split]["images"])
     total = 0
     for shard in shard_infos(config, split):
         with tarfile.open(shard.url) as tar:
-            total += sum(1 for name in tar.getnames() if name.endswith(".cls"))
+            total += sum(1 for name in tar.getnames() if name.endswith(f".{LABEL_EXTENSION}"))
     return total
 
 
@@ -315,7 +189,7 @@ class DecodeSample:
                 raise ValueError(f"no image member (one of {', '.join(IMAGE_EXTENSIONS)})")
             with Image.open(io.BytesIO(sample[ext])) as image:
                 pixels = image.convert(self.mode)
-            label = int(sample["cls"])
+            label = int(sample[LABEL_EXTENSION])
         except Exception as exn:  # noqa: BLE001 - any decode failure is reported the same way
             message = (f"corrupt sample {key!r} in shard {shard}: {type(exn).__name__}: {exn} "
                        f"(members: {sorted(k for k in sample if not k.startswith('__'))})")
@@ -441,7 +315,7 @@ def build_transform(config: AmoebaNetConfig, *, training: bool) -> Callable[[Ima
 
 def build_mixup(config: AmoebaNetConfig) -> Mixup | None:
     """timm Mixup/CutMix (with label smoothing folded in), or None when both alphas are 0."""
-    if config.mixup <= 0 and config.cutmix <= 0:
+    if not soft_targets(config):
         return None
     return Mixup(
         mixup_alpha=config.mixup,
@@ -449,20 +323,6 @@ def build_mixup(config: AmoebaNetConfig) -> Mixup | None:
         label_smoothing=config.label_smoothing,
         num_classes=config.num_classes,
     )
-
-
-def build_train_loss(config: AmoebaNetConfig) -> nn.Module:
-    """Training loss matching the loader's targets.
-
-    Soft targets (mixup/cutmix) -> ``SoftTargetCrossEntropy``; else label smoothing ->
-    ``LabelSmoothingCrossEntropy``; else plain cross-entropy. Evaluation uses plain
-    ``nn.CrossEntropyLoss`` on the eval loader's integer labels.
-    """
-    if build_mixup(config) is not None:
-        return SoftTargetCrossEntropy()
-    if config.label_smoothing > 0:
-        return LabelSmoothingCrossEntropy(smoothing=config.label_smoothing)
-    return nn.CrossEntropyLoss()
 
 
 def image_pipeline(
@@ -525,7 +385,7 @@ def build_train_loader(
     """One epoch of shuffled, augmented training batches ``(images, targets)``.
 
     Targets are int64 class indices, or soft targets ``[B, num_classes]`` when mixup/cutmix is
-    on (use ``build_train_loss``). The last partial batch is dropped. Build a new loader per
+    on (use ``apps.amoebanet.loss.build_train_loss``). The last partial batch is dropped. Build a new loader per
     epoch: ``epoch`` reseeds the shard order, shuffle buffer, augmentation and mixup. With
     ``dp_size > 1`` each data-parallel replica reads every ``dp_size``-th shard.
     """

@@ -56,20 +56,19 @@ from apps.amoebanet.config import (
     load_train_config,
     optimizer_kwargs,
     scheduler_kwargs,
+    soft_targets,
 )
 from apps.amoebanet.data import (
     Batch,
     CorruptShardError,
     DatasetNotFoundError,
-    build_mixup,
     build_train_loader,
-    build_train_loss,
     class_names,
-    dataset_is_complete,
     num_images,
     shard_infos,
 )
 from apps.amoebanet.evaluate import TRAIN_COMMAND, evaluate_pipeline, write_report
+from apps.amoebanet.loss import build_train_loss
 from apps.budget import RunLength
 from apps.config import ConfigError
 from apps.harness.entry import run_main
@@ -78,6 +77,7 @@ from apps.harness.loop import DATA_ENDED, STOP, TrainingLoop, every, find_resume
 from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
+from data.image_shards import dataset_is_complete
 
 # Models up to this size are balanced by the measured time of each layer on rank 0 (a full
 # copy is materialized for it); larger ones by parameter count, so no rank holds the whole model.
@@ -134,9 +134,9 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def targets_like(config: AmoebaNetConfig) -> Tensor:
     """A batch's targets' shape and dtype, for the stages that do not read them: class ids, or
     with mixup/cutmix ``[B, classes]`` float targets."""
-    soft_targets = build_mixup(config) is not None
-    shape = (config.batch_size, config.num_classes) if soft_targets else (config.batch_size,)
-    return torch.empty(shape, dtype=torch.float32 if soft_targets else torch.int64)
+    soft = soft_targets(config)
+    shape = (config.batch_size, config.num_classes) if soft else (config.batch_size,)
+    return torch.empty(shape, dtype=torch.float32 if soft else torch.int64)
 
 
 def seed_process_rngs(*parts: object) -> None:
@@ -190,11 +190,11 @@ def amoebanet_pipeline(config: AmoebaNetConfig, run: Run, balance: list[int]
     model = build_model(config, device="meta")
     num_params = sum(p.numel() for p in model.parameters())
     train_loss = build_train_loss(config)
-    soft_targets = build_mixup(config) is not None  # mixup/cutmix: [B, classes] float targets
+    soft = soft_targets(config)  # mixup/cutmix: [B, classes] float targets
 
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
         # evaluation passes integer labels even when training mixes them into soft targets
-        if soft_targets and not targets.is_floating_point():
+        if soft and not targets.is_floating_point():
             return F.cross_entropy(logits.float(), targets)
         return train_loss(logits.float(), targets)
 

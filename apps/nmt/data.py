@@ -13,7 +13,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from data.gettext_m2en.prepare import DEFAULT_OUT, lang_tag, temperature_probs
+from data.gettext_m2en.corpus_format import (
+    COUNTS_FILE,
+    DEFAULT_OUT,
+    MANIFEST_FILE,
+    SAMPLE_MEMBERS,
+    TEXT_MEMBER,
+    lang_tag,
+    read_manifest,
+    temperature_probs,
+)
 
 __all__ = [
     "Batch",
@@ -25,7 +34,6 @@ __all__ = [
     "load_manifest",
     "load_tokenizer",
     "resource_buckets",
-    "temperature_probs",
 ]
 
 RESOURCE_BUCKETS: tuple[str, ...] = ("high", "medium", "low")
@@ -42,13 +50,12 @@ def _prepare_command(cache_dir: Path) -> str:
 def load_manifest(cache_dir: str | Path = DEFAULT_OUT) -> dict[str, Any]:
     """The `manifest.json` written by prepare, or a CorpusError naming the command that builds it."""
     cache_dir = Path(cache_dir)
-    path = cache_dir / "manifest.json"
-    if not path.exists():
+    manifest = read_manifest(cache_dir)
+    if manifest is None:
         raise CorpusError(
-            f"no prepared corpus at {cache_dir} ({path.name} missing); "
+            f"no prepared corpus at {cache_dir} ({MANIFEST_FILE} missing); "
             f"build it with `{_prepare_command(cache_dir)}`"
         )
-    manifest: dict[str, Any] = json.loads(path.read_text())
     return manifest
 
 
@@ -129,9 +136,9 @@ def language_counts(cache_dir: str | Path = DEFAULT_OUT, split: str = "train") -
     """Number of pairs per language in `split`, from `counts.json` (no shard is read)."""
     cache_dir = Path(cache_dir)
     load_manifest(cache_dir)  # a clear error if the corpus is missing
-    counts = json.loads((cache_dir / "counts.json").read_text())
+    counts = json.loads((cache_dir / COUNTS_FILE).read_text())
     if split not in counts:
-        raise CorpusError(f"split {split!r} not in {cache_dir / 'counts.json'}: {list(counts)}")
+        raise CorpusError(f"split {split!r} not in {cache_dir / COUNTS_FILE}: {list(counts)}")
     return {lang: int(n) for lang, n in counts[split].items()}
 
 
@@ -190,12 +197,9 @@ def _check_languages(
         available = " ".join(sorted(lang for lang, n in counts.items() if n > 0))
         raise CorpusError(
             f"no {split} data for language(s) {missing} in {cache_dir}; "
-            f"languages with {split} data: {available} (counts in {cache_dir / 'counts.json'})"
+            f"languages with {split} data: {available} (counts in {cache_dir / COUNTS_FILE})"
         )
     return list(dict.fromkeys(languages))
-
-
-_SAMPLE_KEYS = {"lang.txt", "src.npy", "src_len.npy", "tgt.npy", "tgt_len.npy"}
 
 
 def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[str, _Language]:
@@ -221,7 +225,7 @@ def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[s
         ).decode()
         try:
             for sample in dataset:
-                missing_keys = _SAMPLE_KEYS - set(sample)
+                missing_keys = SAMPLE_MEMBERS - set(sample)
                 if missing_keys:  # a tar cut short ends in a partial sample
                     raise KeyError(f"sample {sample.get('__key__')} lacks {sorted(missing_keys)}")
                 pairs += len(sample["src_len.npy"])
@@ -242,7 +246,7 @@ def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[s
         parts = sorted(blocks[lang], key=lambda sample: sample["__key__"])
         src_len = np.concatenate([p["src_len.npy"] for p in parts]).astype(np.int64)
         tgt_len = np.concatenate([p["tgt_len.npy"] for p in parts]).astype(np.int64)
-        texts = [p["text.json"] for p in parts if "text.json" in p]
+        texts = [p[TEXT_MEMBER] for p in parts if TEXT_MEMBER in p]
         result[lang] = _Language(
             src=np.concatenate([p["src.npy"] for p in parts]),
             src_start=np.concatenate([[0], np.cumsum(src_len)[:-1]]).astype(np.int64),

@@ -125,15 +125,18 @@ def prepare_corpus(config: NMTConfig) -> None:
     rather than silently rebuilt: another run may be using it. ``packages: none`` uses the
     corpus found in ``data_dir`` as it is (e.g. one prepared from your own TSV files).
     """
-    from data.gettext_m2en.prepare import PrepareError, prepare, resolve_packages
+    from data.gettext_m2en.corpus_format import read_manifest
+    from data.gettext_m2en.errors import PrepareError
+    from data.gettext_m2en.fetch import resolve_packages
+    from data.gettext_m2en.prepare import prepare
 
     if config.packages == "none":
         load_manifest(config.data_dir)  # a CorpusError naming the prepare command if missing
         return
     languages = sorted(config.languages) if config.languages else None
-    manifest_path = Path(config.data_dir) / "manifest.json"
-    if manifest_path.exists():
-        built = json.loads(manifest_path.read_text()).get("config", {})
+    manifest = read_manifest(config.data_dir)
+    if manifest is not None:
+        built = manifest.get("config", {})
         wanted = {
             "packages": list(resolve_packages(config.packages)),
             "languages": languages,

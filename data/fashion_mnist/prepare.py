@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from apps.amoebanet.data import (
+from data.image_shards import (
     DATASET_JSON,
     Sample,
     dataset_is_complete,

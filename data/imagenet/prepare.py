@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from apps.amoebanet.data import (
+from data.image_shards import (
     DATASET_JSON,
     Sample,
     dataset_is_complete,

@@ -19,19 +19,21 @@ from torch import nn
 
 from apps.amoebanet.config import AmoebaNetConfig, build_model
 from apps.amoebanet.data import (
-    DATASET_JSON,
     CorruptShardError,
     DatasetNotFoundError,
-    Sample,
     build_eval_loader,
     build_train_loader,
-    build_train_loss,
+)
+from apps.amoebanet.loss import build_train_loss
+from data.fashion_mnist.prepare import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
+from data.image_shards import (
+    DATASET_JSON,
+    Sample,
     dataset_is_complete,
     encode_png,
     write_dataset_json,
     write_split,
 )
-from data.fashion_mnist.prepare import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
 from data.imagenet.prepare import prepare as prepare_image_folder
 
 NUM_CLASSES = 3

@@ -21,14 +21,11 @@ from apps.amoebanet.config import (
     load_amoebanet_config,
     load_train_config,
 )
-from apps.amoebanet.data import (
-    DatasetNotFoundError,
-    Sample,
-    encode_png,
-)
+from apps.amoebanet.data import DatasetNotFoundError
 from apps.amoebanet.model import build_amoebanet
 from apps.config import ConfigError, save_config
 from apps.harness.checkpoints import CheckpointError
+from data.image_shards import Sample, encode_png
 from scripts import eval_top1
 from tests.distributed import launch
 from tests.distributed.launch import spawn

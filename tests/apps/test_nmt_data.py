@@ -23,17 +23,13 @@ from apps.nmt.data import (
     load_tokenizer,
     resource_buckets,
 )
-from data.gettext_m2en.prepare import (
-    MAX_HELD_OUT_GROUP,
-    PrepareError,
-    assign_splits,
-    character_coverage,
-    normalize_lang,
-    prepare,
-    split_key,
-    strip_accelerators,
-    temperature_probs,
-)
+from data.gettext_m2en.clean import strip_accelerators
+from data.gettext_m2en.corpus_format import temperature_probs
+from data.gettext_m2en.errors import PrepareError
+from data.gettext_m2en.languages import normalize_lang
+from data.gettext_m2en.prepare import prepare
+from data.gettext_m2en.splits import MAX_HELD_OUT_GROUP, assign_splits, split_key
+from data.gettext_m2en.tokenizer import character_coverage
 
 # Languages of the synthetic corpus and how many distinct English messages each translates:
 # a high/low-resource skew like the real one.

@@ -1,0 +1,5 @@
+"""The one error of corpus preparation."""
+
+
+class PrepareError(RuntimeError):
+    """Preparation cannot go on; the message says why and what to do."""
