@@ -10,7 +10,7 @@ of one run: ``--resume`` continues from ``out_dir``'s latest checkpoint, and ``-
 N optimizer steps without shortening the learning-rate schedule (for tests and smoke runs).
 
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final evaluation
-(through the pipeline: ``apps/amoebanet/evaluate.py``, which ``scripts/eval_top1.py`` shares).
+(through the pipeline: ``apps/amoebanet/evaluate.py``, which also scores checkpoints).
 The world is ``num_stages`` pipeline ranks times R data-parallel replicas (pipeline-major: ranks
 ``r*K ... r*K+K-1`` are replica r). Only a replica's first stage reads images (replica r reads
 every R-th shard); it sends each batch's targets to its last stage, so the last stage decodes
