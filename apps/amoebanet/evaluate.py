@@ -202,6 +202,23 @@ def load_checkpoint_config(checkpoint: Path, overrides: Sequence[str] = ()) -> A
     return load_amoebanet_config([f"--config={checkpoint / 'config.yaml'}", *overrides])
 
 
+def find_checkpoint(ckpt: str | Path, split: str,
+                    overrides: Sequence[str]) -> tuple[Path, AmoebaNetConfig]:
+    """The AmoebaNet checkpoint under ``ckpt`` and its config with ``overrides``, whose
+    dataset has ``split``; an error that says the fix if any of them is missing."""
+    checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
+    require_app(checkpoint, "amoebanet")
+    config = load_checkpoint_config(checkpoint, overrides)
+    shard_infos(config, split)  # a missing dataset or split fails here, naming the command
+    return checkpoint, config
+
+
+def default_out(ckpt: str | Path, checkpoint: Path, split: str) -> Path:
+    """``eval_<split>`` beside the run's own files when given its out_dir, else in the step
+    folder."""
+    return (Path(ckpt) if (Path(ckpt) / "latest").is_file() else checkpoint) / f"eval_{split}"
+
+
 @torch.no_grad()
 def evaluate_checkpoint(
     ckpt: str | Path,
@@ -217,19 +234,14 @@ def evaluate_checkpoint(
     gp.CheckpointCorruptError (a file does not match index.json), DatasetNotFoundError (says
     which command builds the data) or ConfigError (an unknown or invalid ``--key=value``).
     """
-    checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
-    require_app(checkpoint, "amoebanet")
-    config = load_checkpoint_config(checkpoint, overrides)
-    shard_infos(config, split)  # a missing dataset or split fails here, naming the command
+    checkpoint, config = find_checkpoint(ckpt, split, overrides)
     model = load_model(config, checkpoint, torch.device(device))
     metrics = ClassificationMetrics(config.num_classes)
     for images, labels in build_eval_loader(config, split):
         metrics.update(model(images.to(device)), labels)
     report = metrics.report(class_names(config), split=split)
     report["checkpoint"] = str(checkpoint)
-    if out is None:  # beside the run's own files when given its out_dir, else in the step folder
-        out = (Path(ckpt) if (Path(ckpt) / "latest").is_file() else checkpoint) / f"eval_{split}"
-    write_report(report, out)
+    write_report(report, default_out(ckpt, checkpoint, split) if out is None else out)
     return report
 
 
@@ -244,10 +256,7 @@ def evaluate_pipelined(
 ) -> dict[str, Any]:
     """``evaluate_checkpoint`` through ``DistributedGPipe`` under torchrun (see the module's
     docstring); every rank returns the report, rank 0 writes it."""
-    checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
-    require_app(checkpoint, "amoebanet")
-    config = load_checkpoint_config(checkpoint, overrides)
-    shard_infos(config, split)
+    checkpoint, config = find_checkpoint(ckpt, split, overrides)
     world_size = int(os.environ["WORLD_SIZE"])
     num_stages = num_stages or world_size
     if num_stages < 1 or world_size % num_stages:
@@ -272,10 +281,8 @@ def evaluate_pipelined(
     report = metrics.report(class_names(config), split=split)
     report.update(checkpoint=str(checkpoint), stages=num_stages, balance=list(balance),
                   replicas=run.num_replicas)
-    if out is None:
-        out = (Path(ckpt) if (Path(ckpt) / "latest").is_file() else checkpoint) / f"eval_{split}"
     if run.master:
-        write_report(report, out)
+        write_report(report, default_out(ckpt, checkpoint, split) if out is None else out)
     end_run()  # every rank waits for rank 0's report, then leaves the process groups
     return report
 
