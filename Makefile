@@ -45,7 +45,7 @@ train-nmt: install
 	$(TORCHRUN) -m apps.nmt.train $(ARGS)
 
 eval-nmt: install
-	$(PY) scripts/eval_bleu.py --ckpt runs/nmt --split test $(ARGS)
+	$(PY) -m apps.nmt.evaluate --ckpt runs/nmt --split test $(ARGS)
 
 # Text to English with the trained model, stdin to stdout: make translate ARGS="--lang de" < in
 translate: install
@@ -56,7 +56,7 @@ train-amoebanet: install
 	$(TORCHRUN) -m apps.amoebanet.train $(ARGS)
 
 eval-amoebanet: install
-	$(PY) scripts/eval_top1.py --ckpt runs/amoebanet --split test $(ARGS)
+	$(PY) -m apps.amoebanet.evaluate --ckpt runs/amoebanet --split test $(ARGS)
 
 # Top-5 classes of image files: make classify ARGS="shirt.png boot.jpg"
 classify: install

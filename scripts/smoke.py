@@ -4,9 +4,9 @@
 
 1. NMT: a two-language slice of the real Debian gettext corpus (its own cache folder), the tiny
    T(2, 64, 2) on 2 pipeline stages for 30 steps under torchrun, then test BLEU and chrF with
-   beam search through ``scripts/eval_bleu.py``.
+   beam search through ``python -m apps.nmt.evaluate``.
 2. AmoebaNet: real Fashion-MNIST from Debian, a tiny AmoebaNet-D on 2 pipeline stages for 30
-   steps under torchrun, then test top-1/top-5 through ``scripts/eval_top1.py``.
+   steps under torchrun, then test top-1/top-5 through ``python -m apps.amoebanet.evaluate``.
 
 Each stage is a real command line, exactly as a user would type it; the script stops at the
 first failure and prints how long each stage took.
@@ -49,15 +49,15 @@ def main() -> None:
         "--max_positions=512",  # dev/test sentences are not length-filtered
         "--wandb_mode=disabled", "--eval_every=0", "--ckpt_every=0", "--eval_max_sentences=20",
     ), timeout_s=900)
-    run("NMT: test BLEU", [sys.executable, "scripts/eval_bleu.py", f"--ckpt={nmt_out}",
+    run("NMT: test BLEU", [sys.executable, "-m", "apps.nmt.evaluate", f"--ckpt={nmt_out}",
                            "--split=test", "--max-per-lang=20"], timeout_s=300)
     run("AmoebaNet: train 30 steps on 2 pipeline stages", torchrun(
         "apps.amoebanet.train", "--config=apps/amoebanet/configs/cpu_fashion_mnist.yaml",
         "--num_normal_cells=3", "--filters=8", "--batch_size=32", "--chunks=2",
         f"--out_dir={amoeba_out}", "--max_steps=30", "--wandb_mode=disabled",
     ), timeout_s=900)
-    run("AmoebaNet: test top-1", [sys.executable, "scripts/eval_top1.py", f"--ckpt={amoeba_out}",
-                                  "--split=test"], timeout_s=300)
+    run("AmoebaNet: test top-1", [sys.executable, "-m", "apps.amoebanet.evaluate",
+                                  f"--ckpt={amoeba_out}", "--split=test"], timeout_s=300)
     print(f"\nsmoke: both apps end to end in {time.monotonic() - start:.0f} s")
 
 

@@ -4,7 +4,7 @@
         [--top 5] [--device cpu|cuda] [--threads N] [--key=value ...]
 
 Runs in one process on the plain model merged from the checkpoint's shards (as
-``scripts/eval_top1.py`` does), BatchNorm in eval mode. Each image goes through the eval
+``apps.amoebanet.evaluate`` does), BatchNorm in eval mode. Each image goes through the eval
 transforms of the checkpoint's config (converted to its channels, resized to ``image_size /
 crop_pct``, center-cropped to ``image_size``, normalised by its ``mean`` / ``std``); any other
 ``--key=value`` overrides that config. For each image it prints the path, then one line per

@@ -10,7 +10,7 @@ of one run: ``--resume`` continues from ``out_dir``'s latest checkpoint, and ``-
 N optimizer steps without shortening the learning-rate schedule (for tests and smoke runs).
 
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final evaluation
-(through the pipeline: ``apps/amoebanet/evaluate.py``, which ``scripts/eval_top1.py`` shares).
+(through the pipeline: ``apps/amoebanet/evaluate.py``, which also scores checkpoints).
 The world is ``num_stages`` pipeline ranks times R data-parallel replicas (pipeline-major: ranks
 ``r*K ... r*K+K-1`` are replica r). Only a replica's first stage reads images (replica r reads
 every R-th shard); it sends each batch's targets to its last stage, so the last stage decodes
@@ -73,7 +73,15 @@ from apps.budget import RunLength
 from apps.config import ConfigError
 from apps.harness.entry import run_main
 from apps.harness.guards import check_loss
-from apps.harness.loop import DATA_ENDED, STOP, TrainingLoop, every, find_resume, start_run
+from apps.harness.loop import (
+    DATA_ENDED,
+    STOP,
+    TrainingLoop,
+    every,
+    find_resume,
+    restore,
+    start_run,
+)
 from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
@@ -317,6 +325,60 @@ class Evaluation:
         return 1.25 * self.images * per_image + 60.0  # + start-up, checkpoint, wandb, exit
 
 
+def describe(config: AmoebaNetConfig, run: Run, balance: list[int], num_params: int, *,
+             train_images: int, updates_per_epoch: int) -> str:
+    """The run's first line: the model, its pipeline and the data."""
+    return (f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}): "
+            f"{num_params:,} parameters, {sum(balance)} layers; {config.num_stages} "
+            f"stages, balance {balance}, {config.chunks} micro-batches, schedule "
+            f"{config.schedule}, checkpoint {config.checkpoint}, {run.num_replicas} replica(s), "
+            f"{run.world_size} rank(s) on {run.device.type}; {config.dataset}: "
+            f"{train_images:,} train images, {updates_per_epoch} steps per epoch of "
+            f"{config.batch_size * run.num_replicas}")
+
+
+def log_progress(loop: TrainingLoop, *, step: int, lr: float, updates_per_epoch: int,
+                 train_seconds: float) -> None:
+    """Every ``log_every`` steps: the window's loss and speed to wandb and rank 0's bar."""
+    images_per_second = loop.window.per_second()
+    loop.log_window(step, {
+        "train/loss": loop.window.mean_loss, "train/lr": lr,
+        "train/images_per_second": images_per_second,
+        "train/epoch": step / updates_per_epoch, "train/minutes": train_seconds / 60,
+    }, loss=f"{loop.window.mean_loss:.3f}", img_s=f"{images_per_second:.0f}", lr=f"{lr:.2e}",
+        epoch=f"{step / updates_per_epoch:.2f}")
+
+
+def epoch_evaluation(loop: TrainingLoop, evaluation: Evaluation, config: AmoebaNetConfig, *,
+                     step: int, epoch: int) -> None:
+    """At an epoch's end (checkpointed): top-1 / top-5 every ``eval_every_epochs``, above rank
+    0's bar and to wandb; not after the run's last step (the final evaluation follows the
+    loop)."""
+    if loop.step_end(step, checkpoint_due=True, eval_due=every(epoch, config.eval_every_epochs)):
+        report = evaluation(config.eval_split, step)
+        if loop.run.master:
+            loop.bar.write(f"epoch {epoch}: {config.eval_split} top-1 "
+                           f"{100 * report['top1']:.2f}% top-5 {100 * report['top5']:.2f}% "
+                           f"loss {report['loss']:.4f}")
+        loop.logger.metrics({f"{config.eval_split}/{key}": report[key]
+                             for key in ("top1", "top5", "loss")}, step)
+    loop.window.restart_clock()  # the images/s window excludes checkpoint and eval
+
+
+def report_training(config: AmoebaNetConfig, run: Run, *, step: int, updates_per_epoch: int,
+                    images_seen: int, train_seconds: float, stop_reason: str,
+                    length: RunLength, path: Path) -> None:
+    """Rank 0's lines after the loop: what was trained, and a warning if the hard stop cut it."""
+    if stop_reason.startswith("max_minutes"):
+        run.say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step "
+                f"{step} of {length.steps}: its learning-rate schedule did not end, so this is "
+                "not the budgeted run's result (budget_minutes fits a run to a time instead)")
+    run.say(f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} "
+            f"images) in {train_seconds / 60:.1f} min, "
+            f"{images_seen / max(train_seconds, 1e-9):.0f} images/s; stopped by "
+            f"{stop_reason or f'epochs={config.epochs}'}; checkpoint {path}")
+
+
 def summarize(config: AmoebaNetConfig, report: dict[str, Any], *, step: int,
               updates_per_epoch: int, images_seen: int, train_seconds: float, started: float,
               stop_reason: str, length: RunLength, balance: list[int], num_params: int,
@@ -342,6 +404,25 @@ def summarize(config: AmoebaNetConfig, report: dict[str, Any], *, step: int,
     }
 
 
+def final_evaluation(loop: TrainingLoop, evaluation: Evaluation, config: AmoebaNetConfig,
+                     **counters: Any) -> dict[str, Any] | None:
+    """Top-1 / top-5 of the final checkpoint through the pipeline; on rank 0
+    ``eval_<split>.json`` + ``.png``, the result printed and to wandb, and the summary (from
+    :func:`summarize` of ``counters``), None on the other ranks."""
+    step = counters["step"]
+    report = evaluation(config.eval_split, step)
+    if not loop.run.master:
+        return None
+    write_report(report, Path(config.out_dir) / f"eval_{config.eval_split}")
+    summary = summarize(config, report, **counters)
+    loop.logger.metrics({f"{config.eval_split}/final_top1": report["top1"],
+                         f"{config.eval_split}/final_top5": report["top5"]}, step)
+    loop.run.say(f"{config.eval_split} top-1: {100 * report['top1']:.2f}%  top-5: "
+                 f"{100 * report['top5']:.2f}%  ({report['images']:,} images; "
+                 f"total wall time {summary['total_minutes']} min)")
+    return summary
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -354,53 +435,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     check_dataset(config)
     # one thread per rank: the stages are the parallelism on CPU
     run = start_run(config, device="auto", num_threads=1)
-    num_replicas, master, say, device = run.num_replicas, run.master, run.say, run.device
-    images_per_step = config.batch_size * num_replicas
+    images_per_step = config.batch_size * run.num_replicas
 
     # --- data: Fashion-MNIST prepared once by rank 0; the others wait ---------------------
     on_rank0(lambda: prepare_fashion_mnist(config), what="preparing Fashion-MNIST")
     check_dataset(config)
     classes = class_names(config)
     train_images = num_images(config, config.train_split)
-    updates_per_epoch = steps_per_epoch(config, train_images, num_replicas)
+    updates_per_epoch = steps_per_epoch(config, train_images, run.num_replicas)
 
     # --- resume (the balance and counters), model, optimizer and schedule (timm) ------------
     resume_dir, state = find_resume(config, run, load_config=load_amoebanet_config,
                                     train_command=TRAIN_COMMAND.format(out_dir=config.out_dir),
                                     may_change=RESUMABLE_CHANGES)
-    balance = list(state["balance"]) if state else amoebanet_balance(config, device)
+    balance = list(state["balance"]) if state else amoebanet_balance(config, run.device)
     pipe, num_params = amoebanet_pipeline(config, run, balance)
     optimizer, length = optimization(config, pipe, state, updates_per_epoch)
     scheduler = make_scheduler(config, optimizer, updates_per_epoch, length.steps)
     autocast: AbstractContextManager[Any] = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
-    say(f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}): "
-        f"{num_params:,} parameters, {sum(balance)} layers; {config.num_stages} "
-        f"stages, balance {balance}, {config.chunks} micro-batches, schedule {config.schedule}, "
-        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {run.world_size} rank(s) "
-        f"on {device.type}; {config.dataset}: {train_images:,} train images, "
-        f"{updates_per_epoch} steps per epoch of {images_per_step}")
+        torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda"
+        else nullcontext())
+    run.say(describe(config, run, balance, num_params, train_images=train_images,
+                     updates_per_epoch=updates_per_epoch))
     step, epoch, batch_in_epoch, images_seen, train_seconds = 0, 0, 0, 0, 0.0
     if resume_dir is not None:  # weights, optimizer, scheduler, data position, RNGs
-        pipe.load_checkpoint(resume_dir)
-        optimizer.load_state_dict(state["optimizer"])
+        restore(pipe, optimizer, resume_dir, state)
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         images_seen, train_seconds = state["images_seen"], state["train_seconds"]
-        pipe.steps_done = state["pipe_steps"]  # seeds drop-path: must continue, not restart
         set_rng_states(state["rng"])
-        say(f"resumed from {resume_dir} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
+        run.say(f"resumed from {resume_dir} at step {step} (epoch {epoch}, batch "
+                f"{batch_in_epoch})")
 
     def checkpoint_state(step: int) -> tuple[dict[str, Any], dict[str, str]]:
-        """Per-rank state (RNGs included), and run.json (rank 0's file)."""
-        state = {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-            "images_seen": images_seen, "train_seconds": train_seconds,
-            "pipe_steps": pipe.steps_done, "train_steps": length.recorded_steps,
-            "balance": balance, "world_size": run.world_size,
-            "rng": rng_states(),
-        }
+        """This rank's scheduler, data position, counters and RNGs, and run.json (rank 0's)."""
+        state = {"scheduler": scheduler.state_dict(), "epoch": epoch,
+                 "batch_in_epoch": batch_in_epoch, "images_seen": images_seen,
+                 "train_seconds": train_seconds, "rng": rng_states()}
         run_json = json.dumps({
             "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
             "balance": balance, "num_stages": config.num_stages, "world_size": run.world_size,
@@ -409,8 +480,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         return state, {"run.json": run_json}
 
     evaluation = Evaluation(pipe, config, run, autocast, classes)
-    loop = TrainingLoop(config, run, pipe, length=length, step=step, started=started,
-                        checkpoint_state=checkpoint_state)
+    loop = TrainingLoop(config, run, pipe, optimizer=optimizer, balance=balance, length=length,
+                        step=step, started=started, checkpoint_state=checkpoint_state)
 
     # --- training loop ----------------------------------------------------------------------
     def bar_total() -> int:
@@ -425,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         batches = None
         if pipe.is_first:
             batches = train_batches(config, epoch, skip=batch_in_epoch, replica=run.replica,
-                                    num_replicas=num_replicas)
+                                    num_replicas=run.num_replicas)
         while True:
             # stop: max_steps, or rank 0's clock (keeping time for the final evaluation)
             tick = time.monotonic()  # training time counts loading, not checkpoints or evals
@@ -437,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 loop.announce(choice.explain(f" ({choice.train_steps / updates_per_epoch:.2f} "
                                              "epochs)"), total=bar_total())
             batch = next(batches, None) if batches is not None else None
-            if master:
+            if run.master:
                 stop_reason = rank0_stop(config, step, length, started=started,
                                          reserve_s=evaluation.reserve_s(run_images_per_second))
             # the epoch ends for everyone as soon as one replica's shards run dry; a signal on
@@ -472,60 +543,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             loop.logger.step({"step": step, "epoch": epoch, "loss": loss_value, "lr": lr})
             bar.update(1)
             if every(step, config.log_every):
-                images_per_second = loop.window.per_second()
-                loop.logger.metrics({
-                    "train/loss": loop.window.mean_loss, "train/lr": lr,
-                    "train/images_per_second": images_per_second,
-                    "train/epoch": step / updates_per_epoch, "train/minutes": train_seconds / 60,
-                }, step)
-                bar.set_postfix(loss=f"{loop.window.mean_loss:.3f}",
-                                img_s=f"{images_per_second:.0f}", lr=f"{lr:.2e}",
-                                epoch=f"{step / updates_per_epoch:.2f}", refresh=False)
-                loop.window.reset()
+                log_progress(loop, step=step, lr=lr, updates_per_epoch=updates_per_epoch,
+                             train_seconds=train_seconds)
 
             # checkpoint every ckpt_every steps as well as at epoch ends
             loop.step_end(step, checkpoint_due=every(step, config.ckpt_every), eval_due=False)
 
-        # end of an epoch: checkpoint, and evaluate every eval_every_epochs (not after the last:
-        # the final evaluation follows the loop)
+        # end of an epoch: checkpoint, and evaluate every eval_every_epochs
         if batch_in_epoch == 0 and not stop_reason and step != epoch_first_step:
-            if loop.step_end(step, checkpoint_due=True,
-                             eval_due=every(epoch, config.eval_every_epochs)):
-                report = evaluation(config.eval_split, step)
-                if master:
-                    bar.write(f"epoch {epoch}: {config.eval_split} top-1 "
-                              f"{100 * report['top1']:.2f}% top-5 {100 * report['top5']:.2f}% "
-                              f"loss {report['loss']:.4f}")
-                loop.logger.metrics({f"{config.eval_split}/{key}": report[key]
-                                     for key in ("top1", "top5", "loss")}, step)
-            loop.window.restart_clock()  # the images/s window excludes checkpoint and eval
-    bar.close()
+            epoch_evaluation(loop, evaluation, config, step=step, epoch=epoch)
 
     # --- final checkpoint and evaluation through the pipeline -----------------------------
-    path = loop.checkpoint(step)
-    if stop_reason.startswith("max_minutes"):
-        say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step {step} "
-            f"of {length.steps}: its learning-rate schedule did not end, so this is not the "
-            "budgeted run's result (budget_minutes fits a run to a time instead)")
-    say(f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} images) "
-        f"in {train_seconds / 60:.1f} min, {images_seen / max(train_seconds, 1e-9):.0f} "
-        f"images/s; stopped by {stop_reason or f'epochs={config.epochs}'}; checkpoint {path}")
-    report = evaluation(config.eval_split, step)
-    summary = None
-    if master:
-        write_report(report, Path(config.out_dir) / f"eval_{config.eval_split}")
-        summary = summarize(config, report, step=step, updates_per_epoch=updates_per_epoch,
-                            images_seen=images_seen, train_seconds=train_seconds,
-                            started=started, stop_reason=stop_reason, length=length,
-                            balance=balance, num_params=num_params, path=path)
-        loop.write_summary(summary)
-        loop.logger.metrics({f"{config.eval_split}/final_top1": report["top1"],
-                             f"{config.eval_split}/final_top5": report["top5"]}, step)
-        say(f"{config.eval_split} top-1: {100 * report['top1']:.2f}%  top-5: "
-            f"{100 * report['top5']:.2f}%  ({report['images']:,} images; "
-            f"total wall time {summary['total_minutes']} min)")
-    loop.end()
-    return summary
+    path = loop.finish(step)
+    counters = dict(step=step, updates_per_epoch=updates_per_epoch, images_seen=images_seen,
+                    train_seconds=train_seconds, stop_reason=stop_reason, length=length,
+                    path=path)
+    report_training(config, run, **counters)
+    return loop.close(final_evaluation(loop, evaluation, config, started=started,
+                                       balance=balance, num_params=num_params, **counters))
 
 
 if __name__ == "__main__":

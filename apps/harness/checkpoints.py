@@ -227,15 +227,15 @@ def run_checkpoint(out_dir: Path, *, train_command: str, skip_damaged: bool,
     )
 
 
-# config keys only one app has, and the script that evaluates that app's checkpoints
+# config keys only one app has, and the command that evaluates that app's checkpoints
 _APP_KEYS = {"genotype": "amoebanet", "num_heads": "nmt"}
-_APPS = {"nmt": ("an NMT", "scripts/eval_bleu.py"),
-         "amoebanet": ("an AmoebaNet", "scripts/eval_top1.py")}
+_APPS = {"nmt": ("an NMT", "-m apps.nmt.evaluate"),
+         "amoebanet": ("an AmoebaNet", "-m apps.amoebanet.evaluate")}
 
 
 def require_app(checkpoint: Path, app: str) -> None:
     """CheckpointError if the config saved in ``checkpoint`` is another app's ("this is an NMT
-    checkpoint: use scripts/eval_bleu.py") instead of a page of unknown-key errors."""
+    checkpoint: use python -m apps.nmt.evaluate") instead of a page of unknown-key errors."""
     try:
         import yaml
 

@@ -5,14 +5,19 @@ and agree on everything around it, which lives here once::
 
     run = start_run(config, ...)                    # out_dir checked, process groups, lock
     resume_dir, state = find_resume(config, run, ...)   # --resume: checkpoint, config, state
-    ... build the pipeline, load state ...
-    loop = TrainingLoop(config, run, pipe, length=..., step=..., checkpoint_state=..., started=...)
+    ... build the pipeline and the optimizer ...
+    if resume_dir is not None:
+        restore(pipe, optimizer, resume_dir, state); ... the app's own state ...
+    loop = TrainingLoop(config, run, pipe, optimizer=..., balance=..., length=..., step=...,
+                        checkpoint_state=..., started=...)
+    bar = loop.progress_bar(...)
     while True:
         choice = loop.budget(step, reserve_s=...)   # the run's length, fixed once (budget.py)
         if loop.vote(step, stop=..., data_ended=...): ...   # every rank stops at one step
         ... one step, logged through loop.logger and loop.window ...
+        if every(step, config.log_every): loop.log_window(step, metrics, ...)
         if loop.step_end(step, checkpoint_due=..., eval_due=...): evaluate
-    path = loop.checkpoint(step); ... evaluate ...; loop.write_summary(summary); loop.end()
+    path = loop.finish(step); ... evaluate; rank 0: summary ...; return loop.close(summary)
 
 The stop vote is one all-reduce of stop flags with MAX (any rank may stop the run): rank 0's
 budget or clock, a replica whose data ran dry (an epoch's end), a signal on any rank. A signal
@@ -90,6 +95,16 @@ def find_resume(config: Any, run: Run, *, train_command: str,
     return resume_dir, load_train_state(resume_dir, run.rank, run.world_size)
 
 
+def restore(pipe: gp.DistributedGPipe, optimizer: torch.optim.Optimizer, resume_dir: Path,
+            state: dict[str, Any]) -> None:
+    """Resume what every app's checkpoint holds (:meth:`TrainingLoop.checkpoint`): the stage's
+    weights, the optimizer's moments and the pipeline's step count (it seeds dropout and
+    drop-path: it must continue, not restart). The app restores its own state after it."""
+    pipe.load_checkpoint(resume_dir)
+    optimizer.load_state_dict(state["optimizer"])
+    pipe.steps_done = state["pipe_steps"]
+
+
 class Window:
     """Training metrics over the steps since the last log line: mean loss, items per second."""
 
@@ -124,16 +139,21 @@ class TrainingLoop:
     saves the resolved config in out_dir and opens the run's log; from here SIGINT / SIGTERM
     checkpoint at a step all ranks agree on (:meth:`vote`), then exit.
 
-    ``pipe``: the pipeline whose shards the checkpoints hold; ``checkpoint_state(step)``: this rank's train state (``train_steps`` included: the run's
-    length, ``length.recorded_steps``) and rank 0's extra files (name -> text); ``length``: the
-    run's :class:`RunLength`; ``step``: the steps done (a resumed run's); ``started``: the
-    monotonic time the command started (a time budget counts the whole run).
+    ``pipe``: the pipeline whose shards the checkpoints hold; ``optimizer`` and ``balance``:
+    saved in every rank's train state (with the step, the pipeline's step count, the run's
+    length and the world size; :func:`restore` and :func:`find_resume` read them back);
+    ``checkpoint_state(step)``: the app's own train state on this rank and rank 0's extra files
+    (name -> text); ``length``: the run's :class:`RunLength`; ``step``: the steps done (a
+    resumed run's); ``started``: the monotonic time the command started (a time budget counts
+    the whole run).
     """
 
-    def __init__(self, config: Any, run: Run, pipe: gp.DistributedGPipe, *, length: RunLength,
+    def __init__(self, config: Any, run: Run, pipe: gp.DistributedGPipe, *,
+                 optimizer: torch.optim.Optimizer, balance: list[int], length: RunLength,
                  step: int, checkpoint_state: Callable[[int], tuple[dict[str, Any], dict[str, str]]],
                  started: float) -> None:
         self.config, self.run, self.pipe, self.length = config, run, pipe, length
+        self.optimizer, self.balance = optimizer, balance
         self.out_dir = Path(config.out_dir)
         self.checkpoint_state, self.started = checkpoint_state, started
         with gp.collectives("start of training"):
@@ -169,6 +189,13 @@ class TrainingLoop:
                 self.bar.total = total
             self.bar.write(text)
             self.bar.refresh()
+
+    def log_window(self, step: int, metrics: dict[str, Any], **postfix: str) -> None:
+        """Every ``log_every`` steps: the window's ``metrics`` to wandb, ``postfix`` on rank 0's
+        bar, then a new window."""
+        self.logger.metrics(metrics, step)
+        self.bar.set_postfix(refresh=False, **postfix)
+        self.window.reset()
 
     # --- the loop's control ---------------------------------------------------------------
 
@@ -216,7 +243,10 @@ class TrainingLoop:
         every rank's state, the config (recording the run's length) and rank 0's files."""
         if self.last_saved == step:
             return checkpoint_dir(self.out_dir, step)
-        state, files = self.checkpoint_state(step)
+        own, files = self.checkpoint_state(step)
+        state = {"optimizer": self.optimizer.state_dict(), "step": step,
+                 "pipe_steps": self.pipe.steps_done, "train_steps": self.length.recorded_steps,
+                 "world_size": self.run.world_size, "balance": self.balance, **own}
         config = replace(self.config, train_steps=state["train_steps"])
         path = write_checkpoint(self.out_dir, step, self.pipe, state, config,
                                 rank=self.run.rank, files=files)
@@ -224,6 +254,21 @@ class TrainingLoop:
         return path
 
     # --- the end --------------------------------------------------------------------------
+
+    def finish(self, step: int) -> Path:
+        """After the loop: rank 0's bar closed, and the last step checkpointed (unless it
+        already is); the checkpoint's folder, which the final evaluation scores."""
+        if self.bar is not None:
+            self.bar.close()
+        return self.checkpoint(step)
+
+    def close(self, summary: dict[str, Any] | None) -> dict[str, Any] | None:
+        """After the final evaluation: rank 0's ``summary`` (None on the other ranks) written
+        to ``summary.json``, then :meth:`end`; returns ``summary``."""
+        if summary is not None:
+            self.write_summary(summary)
+        self.end()
+        return summary
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """``summary.json`` in out_dir (rank 0)."""

@@ -37,7 +37,7 @@ groups=G)`` (the tests check it; ``groups=1`` is ``beam_search`` on the whole ba
 matrix product's last bits can depend on its number of rows (MKL's GEMM does, for fewer than 4
 rows in float32 and for row counts not a multiple of 4 in float64), so a batch decoded in groups
 may differ from the whole batch in the scores' last bits and, on a near tie, in a token.
-``apps.nmt.evaluate.translate`` (translate and eval_bleu under torchrun) therefore hands every
+``apps.nmt.evaluate.translate`` (translate and evaluate under torchrun) therefore hands every
 batch at once to :meth:`PipelineSearch.batches`, each batch its own group: the output is the
 one-process output, and the stages overlap whenever there are several batches. The messages
 are outside ``pipe.step``: call these between steps, on every rank of the pipeline group; they

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from apps.budget import RunLength
 from apps.config import ConfigError
 from apps.harness.entry import run_main
 from apps.harness.guards import check_loss
-from apps.harness.loop import TrainingLoop, every, find_resume, start_run
+from apps.harness.loop import TrainingLoop, every, find_resume, restore, start_run
 from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
@@ -238,12 +238,33 @@ def budget_reached(config: NMTConfig, step: int, tokens_seen: int,
                    length: RunLength) -> str | None:
     """Which training budget ends the run now: its length in steps (``length``: given, fitted
     to the time, or ``max_steps``) or ``max_train_tokens`` (the hard stop ``max_minutes`` is
-    checked by the loop)."""
+    checked by :func:`rank0_stop`)."""
     if step >= length.steps:
         return length.stop_reason
     if config.max_train_tokens and tokens_seen >= config.max_train_tokens:
         return "max_train_tokens"
     return None
+
+
+def rank0_stop(config: NMTConfig, step: int, tokens_seen: int, length: RunLength, *,
+               loop_start: float) -> str | None:
+    """Why rank 0 ends the run before the next step (None to go on): a budget
+    (:func:`budget_reached`) or, as a safety, ``max_minutes`` of training."""
+    stopped_by = budget_reached(config, step, tokens_seen, length)
+    if stopped_by is None and config.max_minutes and (
+            time.monotonic() - loop_start > 60 * config.max_minutes):
+        stopped_by = "max_minutes"
+    return stopped_by
+
+
+def run_length(config: NMTConfig, state: dict[str, Any], step: int) -> RunLength:
+    """The run's length (apps/budget.py): given, fitted to budget_minutes after the first steps
+    (inside warm-up, which does not depend on it), or max_steps; a linear schedule spans it."""
+    return RunLength(
+        train_steps=config.train_steps, budget_minutes=config.budget_minutes,
+        cap=config.max_steps, cap_name="max_steps", step=step,
+        warmup_steps=config.warmup_steps if config.lr_schedule == "linear" else math.inf,
+        saved_steps=state.get("train_steps", 0), goal_steps=config.goal_steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +357,46 @@ def run_eval(pipe: gp.DistributedGPipe, config: NMTConfig, tokenizer: Any, run: 
     return result.get("report")
 
 
+def describe(config: NMTConfig, run: Run, balance: list[int], num_params: int,
+             languages: Sequence[str]) -> str:
+    """The run's first line: the model, its pipeline and the languages."""
+    return (f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d={config.d_model} "
+            f"vocab={config.vocab_size}: {num_params / 1e6:.2f}M parameters; {config.num_stages} "
+            f"stages, balance {balance}, {config.chunks} micro-batches, schedule "
+            f"{config.schedule}, checkpoint {config.checkpoint}, {run.num_replicas} replica(s), "
+            f"{run.world_size} rank(s) on {run.device.type}; languages {' '.join(languages)}")
+
+
+def tokenizer_file(config: NMTConfig, tokenizer: Tokenizer) -> str:
+    """``tokenizer.json`` of every checkpoint (rank 0's file): the fingerprint evaluation and
+    translation check the corpus's tokenizer against."""
+    return json.dumps({"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+                       "data_dir": str(config.data_dir)}) + "\n"
+
+
+def train_step(pipe: gp.DistributedGPipe, run: Run, optimizer: torch.optim.Optimizer,
+               batches: TrainBatches, config: NMTConfig, autocast: AbstractContextManager[Any],
+               *, step: int) -> tuple[Tensor, Tensor | None, int]:
+    """One optimizer step: R batches from the shared stream, replica r training on the r-th;
+    forward + backward through the pipeline, the loss the mean over the step's target tokens
+    of every replica. Returns the loss, the gradient norm (None without clipping) and the
+    step's tokens (source + target, no padding, every replica's)."""
+    step_batches = [next(batches) for _ in range(run.num_replicas)]
+    batch = step_batches[run.replica]
+    counts = [count_tokens(b, config.pad_id) for b in step_batches]
+    optimizer.zero_grad(set_to_none=True)
+    with autocast:
+        loss = pipe.step((batch.src, batch.tgt_in) if pipe.is_first else None,
+                         batch.tgt_out if pipe.is_last else None,
+                         normalizer=loss_normalizer(sum(t for _, t in counts), run.num_replicas))
+    if run.num_replicas > 1:
+        with gp.collectives(f"loss of step {step + 1}"):
+            dist.all_reduce(loss, group=run.data_group)
+    grad_norm = pipe.clip_grad_norm_(config.clip_norm) if config.clip_norm > 0 else None
+    optimizer.step()
+    return loss, grad_norm, sum(s + t for s, t in counts)
+
+
 def step_record(pipe: gp.DistributedGPipe, config: NMTConfig, device: torch.device, *,
                 step: int, loss: float, lr: float, tokens: int,
                 grad_norm: Tensor | None) -> tuple[dict[str, Any], dict[str, float]]:
@@ -351,6 +412,49 @@ def step_record(pipe: gp.DistributedGPipe, config: NMTConfig, device: torch.devi
     record.update(gather_stability(pipe, num_layers=config.num_layers, device=device,
                                    z_loss=config.z_loss, record_attention=config.record_attention))
     return record, stats
+
+
+def log_progress(loop: TrainingLoop, *, step: int, lr: float, tokens_seen: int,
+                 train_seconds: float, grad_norm: Tensor | None,
+                 stats: dict[str, float]) -> None:
+    """Every ``log_every`` steps: the window's loss and speed to wandb and rank 0's bar."""
+    metrics = {
+        "train/loss": loop.window.mean_loss, "train/lr": lr,
+        "train/tokens_per_second": loop.window.per_second(), "train/tokens": tokens_seen,
+        "train/minutes": train_seconds / 60,
+        **({"train/grad_norm": float(grad_norm)} if grad_norm is not None else {}),
+        **{f"activations/{k}": v for k, v in stats.items()},
+    }
+    loop.log_window(step, metrics, loss=f"{metrics['train/loss']:.3f}",
+                    tok_s=f"{metrics['train/tokens_per_second']:.0f}", lr=f"{lr:.2e}",
+                    logit=f"{stats.get('max_abs_logit', float('nan')):.1f}",
+                    min=f"{train_seconds / 60:.1f}")
+
+
+def periodic_eval(loop: TrainingLoop, pipe: gp.DistributedGPipe, config: NMTConfig,
+                  tokenizer: Tokenizer, run: Run, step: int) -> None:
+    """Dev BLEU every ``eval_every`` steps: per bucket above rank 0's bar, and to wandb."""
+    report = run_eval(pipe, config, tokenizer, run, what=f"dev evaluation at step {step}")
+    if report is not None:
+        lines = format_report(report, examples=0).splitlines()
+        loop.bar.write(f"step {step} dev BLEU:\n" + "\n".join(lines[1:5]))
+        loop.logger.metrics(
+            {f"dev/bleu_{b}": v["bleu"] for b, v in report["buckets"].items()}, step)
+
+
+def report_training(config: NMTConfig, run: Run, *, step: int, tokens_seen: int,
+                    train_seconds: float, stopped_by: str | None, length: RunLength,
+                    path: Path) -> None:
+    """Rank 0's lines after the loop: what was trained, and a warning if the hard stop cut it."""
+    if stopped_by == "max_minutes":
+        run.say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step "
+                f"{step}, before its budget ({length.steps} steps, max_train_tokens="
+                f"{config.max_train_tokens}): its learning-rate schedule did not end, so its "
+                "results are not those of the budgeted run (budget_minutes fits a run to a time "
+                "instead)")
+    run.say(f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_seconds / 60:.1f} "
+            f"min ({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no "
+            f"padding); checkpoint {path}")
 
 
 def summarize(report: dict[str, Any], *, step: int, tokens_seen: int, train_seconds: float,
@@ -376,6 +480,25 @@ def summarize(report: dict[str, Any], *, step: int, tokens_seen: int, train_seco
     }
 
 
+def final_evaluation(loop: TrainingLoop, pipe: gp.DistributedGPipe, config: NMTConfig,
+                     tokenizer: Tokenizer, run: Run, **counters: Any) -> dict[str, Any] | None:
+    """Dev BLEU per resource bucket and the dev loss of the final checkpoint, through the
+    pipeline; on rank 0 ``dev_bleu.json``, the report printed and to wandb, and the summary
+    (from :func:`summarize` of ``counters``), None on the other ranks."""
+    report = run_eval(pipe, config, tokenizer, run, what="the final dev evaluation",
+                      dev_loss=True)
+    if not run.master:
+        return None
+    assert report is not None
+    summary = summarize(report, **counters)
+    write_report(report, Path(config.out_dir) / "dev_bleu.json")
+    run.say(format_report(report))
+    run.say(f"total wall time {summary['total_minutes']} min")
+    loop.logger.metrics({f"dev/final_bleu_{b}": v["bleu"]
+                         for b, v in report["buckets"].items()}, counters["step"])
+    return summary
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -386,54 +509,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- config and run: out_dir checked and locked, process groups ------------------------
     config = load_nmt_config(sys.argv[1:] if argv is None else argv)
     run = start_run(config, device=config.device, num_threads=config.num_threads)
-    num_replicas, master, say, device = run.num_replicas, run.master, run.say, run.device
-    out_dir = Path(config.out_dir)
 
     # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------
     config, tokenizer, batches = nmt_data(config, run)
 
     # --- resume (its balance fixes the partitioning), model, optimizer -----------------------
-    resume_dir, state = find_resume(config, run, load_config=load_nmt_config,
-                                    train_command=f"{TRAIN_COMMAND} --out_dir={out_dir}",
-                                    may_change=RESUMABLE_CHANGES)
+    resume_dir, state = find_resume(
+        config, run, load_config=load_nmt_config, may_change=RESUMABLE_CHANGES,
+        train_command=f"{TRAIN_COMMAND} --out_dir={Path(config.out_dir)}")
     pipe, balance, num_params = nmt_pipeline(config, run, state)
     optimizer = make_optimizer(config, list(pipe.parameters()))
-    use_bf16 = device.type == "cuda" and config.bf16
+    use_bf16 = run.device.type == "cuda" and config.bf16
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    say(f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d={config.d_model} "
-        f"vocab={config.vocab_size}: {num_params / 1e6:.2f}M parameters; {config.num_stages} "
-        f"stages, balance {balance}, {config.chunks} micro-batches, schedule {config.schedule}, "
-        f"checkpoint {config.checkpoint}, {num_replicas} replica(s), {run.world_size} rank(s) "
-        f"on {device.type}; languages {' '.join(batches.languages)}")
+    run.say(describe(config, run, balance, num_params, batches.languages))
     step, tokens_seen, train_seconds = 0, 0, 0.0
     if resume_dir is not None:  # weights, optimizer, data stream, step counters
-        pipe.load_checkpoint(resume_dir)
-        optimizer.load_state_dict(state["optimizer"])
+        restore(pipe, optimizer, resume_dir, state)
         batches.load_state_dict(state["data"])
         step, tokens_seen, train_seconds = state["step"], state["tokens"], state["train_seconds"]
-        pipe.steps_done = state["pipe_steps"]  # seeds dropout: must continue, not restart
-        say(f"resumed from {resume_dir} at step {step}")
-    # the run's length (apps/budget.py): given, fitted to budget_minutes after the first steps
-    # (inside warm-up, which does not depend on it), or max_steps; a linear schedule spans it
-    length = RunLength(
-        train_steps=config.train_steps, budget_minutes=config.budget_minutes,
-        cap=config.max_steps, cap_name="max_steps", step=step,
-        warmup_steps=config.warmup_steps if config.lr_schedule == "linear" else math.inf,
-        saved_steps=state.get("train_steps", 0), goal_steps=config.goal_steps)
+        run.say(f"resumed from {resume_dir} at step {step}")
+    length = run_length(config, state, step)
 
     def checkpoint_state(step: int) -> tuple[dict[str, Any], dict[str, str]]:
-        """Per-rank state, and the tokenizer's fingerprint (rank 0's file)."""
-        state = {"optimizer": optimizer.state_dict(), "data": batches.state_dict(),
-                 "step": step, "tokens": tokens_seen, "train_seconds": train_seconds,
-                 "pipe_steps": pipe.steps_done, "train_steps": length.recorded_steps,
-                 "world_size": run.world_size, "balance": balance}
-        tokenizer_json = json.dumps({"fingerprint": tokenizer.fingerprint,
-                                     "vocab_size": tokenizer.vocab_size,
-                                     "data_dir": str(config.data_dir)}) + "\n"
-        return state, {"tokenizer.json": tokenizer_json}
+        """This rank's data stream and counters, and the tokenizer's fingerprint (rank 0's)."""
+        state = {"data": batches.state_dict(), "tokens": tokens_seen,
+                 "train_seconds": train_seconds}
+        return state, {"tokenizer.json": tokenizer_file(config, tokenizer)}
 
-    loop = TrainingLoop(config, run, pipe, length=length, step=step, started=started,
-                        checkpoint_state=checkpoint_state)
+    loop = TrainingLoop(config, run, pipe, optimizer=optimizer, balance=balance, length=length,
+                        step=step, started=started, checkpoint_state=checkpoint_state)
     # --- training loop: the bar counts towards the budget that ends the run ------------------
     by_tokens = bool(config.max_train_tokens)
     bar = loop.progress_bar(total=config.max_train_tokens if by_tokens else length.steps,
@@ -447,11 +551,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         choice = loop.budget(step, reserve_s=lambda per_step: final_reserve_s(config, per_step))
         if choice is not None:  # the run's length is fixed; the lr schedule spans it
             loop.announce(choice.explain(), total=None if by_tokens else choice.train_steps)
-        if master:
-            stopped_by = budget_reached(config, step, tokens_seen, length)
-            if stopped_by is None and config.max_minutes and (
-                    time.monotonic() - loop_start > 60 * config.max_minutes):
-                stopped_by = "max_minutes"
+        if run.master:
+            stopped_by = rank0_stop(config, step, tokens_seen, length, loop_start=loop_start)
         if loop.vote(step, stop=stopped_by is not None):
             break
 
@@ -460,30 +561,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # batch: R batches per step from the shared stream; replica r trains on the r-th
-        step_batches = [next(batches) for _ in range(num_replicas)]
-        batch = step_batches[run.replica]
-        counts = [count_tokens(b, config.pad_id) for b in step_batches]
-        step_tokens = sum(s + t for s, t in counts)
+        # forward + backward through the pipeline on this replica's batch of the step's R
+        loss, grad_norm, step_tokens = train_step(pipe, run, optimizer, batches, config,
+                                                  autocast, step=step)
         tokens_seen += step_tokens
-
-        # forward + backward through the pipeline; loss = mean over the step's target tokens
-        optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            loss = pipe.step((batch.src, batch.tgt_in) if pipe.is_first else None,
-                             batch.tgt_out if pipe.is_last else None,
-                             normalizer=loss_normalizer(sum(t for _, t in counts), num_replicas))
-        if num_replicas > 1:
-            with gp.collectives(f"loss of step {step + 1}"):
-                dist.all_reduce(loss, group=run.data_group)
-        grad_norm = pipe.clip_grad_norm_(config.clip_norm) if config.clip_norm > 0 else None
-        optimizer.step()
         step += 1
         train_seconds = time.monotonic() - loop_start
 
         # log: every step to log.jsonl; every log_every steps the bar and wandb
         loss_value = float(loss)
-        record, stats = step_record(pipe, config, device, step=step, loss=loss_value, lr=lr,
+        record, stats = step_record(pipe, config, run.device, step=step, loss=loss_value, lr=lr,
                                     tokens=tokens_seen, grad_norm=grad_norm)
         loop.logger.step(record)
         # divergence: a non-finite loss, or one beyond max_loss_factor x ln(vocab_size)
@@ -493,56 +580,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         loop.window.add(loss_value, step_tokens)
         bar.update(step_tokens if by_tokens else 1)
         if every(step, config.log_every):
-            metrics = {
-                "train/loss": loop.window.mean_loss, "train/lr": lr,
-                "train/tokens_per_second": loop.window.per_second(), "train/tokens": tokens_seen,
-                "train/minutes": train_seconds / 60,
-                **({"train/grad_norm": float(grad_norm)} if grad_norm is not None else {}),
-                **{f"activations/{k}": v for k, v in stats.items()},
-            }
-            loop.logger.metrics(metrics, step)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
-                            tok_s=f"{metrics['train/tokens_per_second']:.0f}", lr=f"{lr:.2e}",
-                            logit=f"{stats.get('max_abs_logit', float('nan')):.1f}",
-                            min=f"{train_seconds / 60:.1f}", refresh=False)
-            loop.window.reset()
+            log_progress(loop, step=step, lr=lr, tokens_seen=tokens_seen,
+                         train_seconds=train_seconds, grad_norm=grad_norm, stats=stats)
 
         # checkpoint and evaluate (periodic; the final ones follow the loop)
         if loop.step_end(step, checkpoint_due=every(step, config.ckpt_every),
                          eval_due=every(step, config.eval_every)):
-            report = run_eval(pipe, config, tokenizer, run, what=f"dev evaluation at step {step}")
-            if report is not None:
-                lines = format_report(report, examples=0).splitlines()
-                bar.write(f"step {step} dev BLEU:\n" + "\n".join(lines[1:5]))
-                loop.logger.metrics(
-                    {f"dev/bleu_{b}": v["bleu"] for b, v in report["buckets"].items()}, step)
-    bar.close()
+            periodic_eval(loop, pipe, config, tokenizer, run, step)
 
     # --- final checkpoint and dev BLEU per resource bucket ----------------------------------
-    path = loop.checkpoint(step)
-    if stopped_by == "max_minutes":
-        say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step "
-            f"{step}, before its budget ({length.steps} steps, max_train_tokens="
-            f"{config.max_train_tokens}): its learning-rate schedule did not end, so its results "
-            "are not those of the budgeted run (budget_minutes fits a run to a time instead)")
-    say(f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_seconds / 60:.1f} min "
-        f"({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no padding); "
-        f"checkpoint {path}")
-    report = run_eval(pipe, config, tokenizer, run, what="the final dev evaluation", dev_loss=True)
-    summary = None
-    if master:
-        assert report is not None
-        summary = summarize(report, step=step, tokens_seen=tokens_seen, started=started,
-                            train_seconds=train_seconds, stopped_by=stopped_by, length=length,
-                            path=path)
-        write_report(report, out_dir / "dev_bleu.json")
-        say(format_report(report))
-        loop.write_summary(summary)
-        say(f"total wall time {summary['total_minutes']} min")
-        loop.logger.metrics({f"dev/final_bleu_{b}": v["bleu"]
-                             for b, v in report["buckets"].items()}, step)
-    loop.end()
-    return summary
+    path = loop.finish(step)
+    counters = dict(step=step, tokens_seen=tokens_seen, train_seconds=train_seconds,
+                    stopped_by=stopped_by, length=length, path=path)
+    report_training(config, run, **counters)
+    return loop.close(final_evaluation(loop, pipe, config, tokenizer, run, started=started,
+                                       **counters))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
         [--length-penalty 0.6] [--max-len 64] [--data-dir DIR] [--device cpu|cuda]
 
 Runs in one process on the plain model merged from the checkpoint's shards (as
-``scripts/eval_bleu.py`` does), with the corpus's SentencePiece tokenizer, which must be the
+``apps.nmt.evaluate`` does), with the corpus's SentencePiece tokenizer, which must be the
 one the checkpoint was trained with (its fingerprint is in the checkpoint's tokenizer.json).
 Sources are raw text in ``--lang``, one of the languages of that tokenizer (the model is
 many-to-English: the language tag leads every source). Beam size and length penalty default to

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gpipe_core as gp
+from apps.amoebanet import evaluate as amoebanet_evaluate
 from apps.amoebanet import train
 from apps.amoebanet.config import (
     CONFIG_DIR,
@@ -26,7 +27,6 @@ from apps.amoebanet.model import build_amoebanet
 from apps.config import ConfigError, save_config
 from apps.harness.checkpoints import CheckpointError
 from data.image_shards import Sample, encode_png
-from scripts import eval_top1
 from tests.distributed import launch
 from tests.distributed.launch import spawn
 
@@ -123,7 +123,7 @@ def test_train_checkpoint_exact_resume_and_top1(shards: Path, tmp_path: Path) ->
         assert torch.equal(resumed[name], value), name
 
     # the evaluation script on the plain model agrees with the pipeline's final evaluation
-    report = eval_top1.evaluate_checkpoint(straight, split="test", out=tmp_path / "eval")
+    report = amoebanet_evaluate.evaluate_checkpoint(straight, split="test", out=tmp_path / "eval")
     assert (tmp_path / "eval.json").is_file() and (tmp_path / "eval.png").is_file()
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["top1"] == report["top1"] and written["classes"] == CLASSES
@@ -292,8 +292,8 @@ def fake_checkpoint(directory: Path, shards: Path) -> Path:
 
 def test_eval_script_on_a_fake_checkpoint(shards: Path, tmp_path: Path) -> None:
     checkpoint = fake_checkpoint(tmp_path / "ckpt", shards)
-    assert eval_top1.main(["--ckpt", str(checkpoint), "--split", "test",
-                           "--eval_batch_size=5"]) == 0
+    assert amoebanet_evaluate.main(["--ckpt", str(checkpoint), "--split", "test",
+                                    "--eval_batch_size=5"]) == 0
     report = json.loads((checkpoint / "eval_test.json").read_text())
     assert report["images"] == TEST_IMAGES and (checkpoint / "eval_test.png").is_file()
     assert 0.0 <= report["top1"] <= report["top5"] <= 1.0
@@ -305,15 +305,15 @@ def test_missing_dataset_names_the_command(shards: Path, tmp_path: Path) -> None
     checkpoint = fake_checkpoint(tmp_path / "ckpt", shards)
     with pytest.raises(DatasetNotFoundError,
                        match=r"python -m data.fashion_mnist.prepare --out .*nothing"):
-        eval_top1.evaluate_checkpoint(checkpoint, overrides=[
+        amoebanet_evaluate.evaluate_checkpoint(checkpoint, overrides=[
             "--dataset=fashion_mnist", f"--data_dir={tmp_path / 'nothing'}"])
     with pytest.raises(DatasetNotFoundError, match=r"split 'val' not in"):
-        eval_top1.evaluate_checkpoint(checkpoint, split="val")
+        amoebanet_evaluate.evaluate_checkpoint(checkpoint, split="val")
 
 
 def test_missing_checkpoint_names_the_command(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="-m apps.amoebanet.train --out_dir="):
-        eval_top1.evaluate_checkpoint(tmp_path / "no_run")
+        amoebanet_evaluate.evaluate_checkpoint(tmp_path / "no_run")
 
 
 def test_unknown_config_key_is_an_error(shards: Path, tmp_path: Path,
@@ -323,5 +323,5 @@ def test_unknown_config_key_is_an_error(shards: Path, tmp_path: Path,
     with pytest.raises(ConfigError, match="max_steps=-1 must be >= 0"):
         train.main(["--max_steps=-1"])
     checkpoint = fake_checkpoint(tmp_path / "ckpt", shards)
-    assert eval_top1.main(["--ckpt", str(checkpoint), "--lerning_rate=1"]) == 2
+    assert amoebanet_evaluate.main(["--ckpt", str(checkpoint), "--lerning_rate=1"]) == 2
     assert "unknown config key(s) ['lerning_rate']" in capsys.readouterr().err

@@ -28,14 +28,15 @@ import pytest
 
 import gpipe_core as gp
 from apps.amoebanet import classify
+from apps.amoebanet import evaluate as amoebanet_evaluate
 from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config
 from apps.config import ConfigError, save_config
 from apps.harness import checkpoints, run_log
 from apps.harness.out_dir import check_out_dir, lock_out_dir
+from apps.nmt import evaluate as nmt_evaluate
 from apps.nmt import translate
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import load_tokenizer
-from scripts import eval_bleu, eval_top1
 from tests.apps.test_amoebanet_train import fake_checkpoint, tiny_args
 from tests.apps.test_failures import finish, launch, logged_steps, long_run, wait_for
 from tests.apps.test_nmt_train import tiny_args as nmt_args
@@ -74,7 +75,7 @@ def test_a_bad_latest_falls_back_to_the_newest_intact_step_folder(
         other = str(other_run(tmp_path))
         content, why = other.encode(), f"holds {other!r}, {why}"
     (run / "latest").write_bytes(content)
-    # eval_bleu / eval_top1 / translate / classify
+    # apps.nmt.evaluate / apps.amoebanet.evaluate / translate / classify
     assert checkpoints.resolve_checkpoint(run, train_command="t") == newest
     err = capsys.readouterr().err
     assert err.startswith(f"warning: {run / 'latest'} {why}") and err.count("\n") == 1, err
@@ -86,13 +87,13 @@ def test_a_bad_latest_falls_back_to_the_newest_intact_step_folder(
     assert capsys.readouterr().err == ""  # only rank 0 says it
 
 
-def test_eval_top1_scores_the_newest_step_folder_past_a_non_utf8_latest(
+def test_amoebanet_evaluate_scores_the_newest_step_folder_past_a_non_utf8_latest(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     checkpoint = fake_checkpoint(tmp_path / "run" / "step-0000003", shards)
     (tmp_path / "run" / "latest").write_bytes(b"\xff\xfe")  # raw UnicodeDecodeError before
-    assert eval_top1.main(["--ckpt", str(tmp_path / "run"), "--split", "test",
-                           "--eval_batch_size=5"]) == 0
+    assert amoebanet_evaluate.main(["--ckpt", str(tmp_path / "run"), "--split", "test",
+                                    "--eval_batch_size=5"]) == 0
     err = capsys.readouterr().err
     assert (f"warning: {tmp_path / 'run' / 'latest'} holds 2 bytes that are not a step folder "
             f"name (not text); using the newest intact checkpoint {checkpoint} instead") in err
@@ -212,7 +213,7 @@ def test_the_inference_scripts_reject_a_nan_length_penalty(
                            "--length-penalty", "nan"]) == 2
     assert capsys.readouterr().err == ("error: --length-penalty=nan must be a finite number >= 0 "
                                        "(0 = no penalty)\n")
-    assert eval_bleu.main(["--ckpt", str(tmp_path), "--alpha", "inf"]) == 2
+    assert nmt_evaluate.main(["--ckpt", str(tmp_path), "--alpha", "inf"]) == 2
     assert capsys.readouterr().err == ("error: --alpha=inf must be a finite number >= 0 (0 = no "
                                        "length penalty)\n")
 

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 import gpipe_core as gp
+from apps.amoebanet import evaluate as amoebanet_evaluate
 from apps.amoebanet import train
 from apps.config import ConfigError, save_config
 from apps.harness import checkpoints, guards
+from apps.nmt import evaluate as nmt_evaluate
 from apps.nmt.config import NMTConfig
 from gpipe_core.launch import free_port
-from scripts import eval_bleu, eval_top1
 from tests.apps.test_amoebanet_train import fake_checkpoint, tiny_args
 from tests.apps.test_nmt_train import tiny_args as nmt_args
 from tests.distributed import launch as launch_helpers
@@ -134,15 +135,15 @@ def test_eval_scripts_name_the_other_apps_checkpoint(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     amoebanet = fake_checkpoint(tmp_path / "amoebanet", shards)
-    assert eval_bleu.main(["--ckpt", str(amoebanet)]) == 2
+    assert nmt_evaluate.main(["--ckpt", str(amoebanet)]) == 2
     assert (f"error: {amoebanet} is an AmoebaNet checkpoint, not an NMT one: use `python "
-            f"scripts/eval_top1.py --ckpt {amoebanet}`") in capsys.readouterr().err
+            f"-m apps.amoebanet.evaluate --ckpt {amoebanet}`") in capsys.readouterr().err
     nmt = tmp_path / "nmt"
     gp.save_shards({"w": torch.zeros(2)}, nmt)
     save_config(NMTConfig(), nmt / "config.yaml")
-    assert eval_top1.main(["--ckpt", str(nmt)]) == 2
+    assert amoebanet_evaluate.main(["--ckpt", str(nmt)]) == 2
     assert (f"error: {nmt} is an NMT checkpoint, not an AmoebaNet one: use `python "
-            f"scripts/eval_bleu.py --ckpt {nmt}`") in capsys.readouterr().err
+            f"-m apps.nmt.evaluate --ckpt {nmt}`") in capsys.readouterr().err
 
 
 def test_a_damaged_checkpoint_is_named_by_the_eval_script(
@@ -153,7 +154,7 @@ def test_a_damaged_checkpoint_is_named_by_the_eval_script(
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x04
     shard.write_bytes(bytes(data))
-    assert eval_top1.main(["--ckpt", str(checkpoint)]) == 2
+    assert amoebanet_evaluate.main(["--ckpt", str(checkpoint)]) == 2
     assert f"error: checkpoint file {shard} is damaged" in capsys.readouterr().err
 
 

@@ -113,7 +113,7 @@ def test_translate_errors_say_the_fix(nmt_run: Path, amoebanet_run: Path,
     assert "-m apps.nmt.train --out_dir=" in error("--ckpt", str(missing), "--lang", "de")
     other = resolve_checkpoint(amoebanet_run, train_command="")
     assert (f"{other} is an AmoebaNet checkpoint, not an NMT one: use `python "
-            f"scripts/eval_top1.py") in error("--ckpt", str(amoebanet_run), "--lang", "de")
+            f"-m apps.amoebanet.evaluate") in error("--ckpt", str(amoebanet_run), "--lang", "de")
     assert "use one of: de fr pt_BR ru" in error("--ckpt", str(nmt_run), "--lang", "xx")
     assert "cannot read --input" in error("--ckpt", str(nmt_run), "--lang", "de",
                                           "--input", str(tmp_path / "absent.txt"))
@@ -159,7 +159,7 @@ def test_classify_prints_the_top_classes_as_the_model_scores_them(amoebanet_run:
     assert len(lines) == 4 * (1 + len(CLASSES))  # 3 classes: top-5 shows all 3
     checkpoint = resolve_checkpoint(amoebanet_run, train_command="")
     from apps.amoebanet.classify import load_images
-    from scripts.eval_top1 import load_checkpoint_config
+    from apps.amoebanet.evaluate import load_checkpoint_config
 
     config = load_checkpoint_config(checkpoint)
     model = load_amoebanet(config, checkpoint, torch.device("cpu"))
@@ -211,17 +211,17 @@ def test_classify_names_the_other_apps_checkpoint(nmt_run: Path, tmp_path: Path)
 
 
 # ---------------------------------------------------------------------------------------------
-# scripts/eval_top1.py through the pipeline under torchrun
+# apps.amoebanet.evaluate through the pipeline under torchrun
 
 
 @pytest.mark.parametrize("stages", [2, 1])  # 1 pipeline of 2 stages; 2 replicas of 1 stage
 def test_pipelined_top1_equals_the_single_process_numbers(amoebanet_run: Path, tmp_path: Path,
                                                           stages: int) -> None:
-    from scripts import eval_top1
+    from apps.amoebanet import evaluate
 
-    single = eval_top1.evaluate_checkpoint(amoebanet_run, out=tmp_path / "single",
-                                           overrides=["--eval_batch_size=5"])
-    output = launch.torchrun("scripts.eval_top1", [
+    single = evaluate.evaluate_checkpoint(amoebanet_run, out=tmp_path / "single",
+                                          overrides=["--eval_batch_size=5"])
+    output = launch.torchrun("apps.amoebanet.evaluate", [
         "--ckpt", str(amoebanet_run), "--out", str(tmp_path / "piped"), "--stages", str(stages),
         "--eval_batch_size=5"])
     assert output.count("test top-1") == 1  # rank 0 reports
@@ -310,13 +310,13 @@ def test_translate_under_torchrun_gives_the_single_process_output(
     assert wrong.returncode != 0 and wrong.stderr.count("error: --lang=xx") == 1
 
 
-def test_eval_bleu_under_torchrun_gives_the_single_process_report(nmt_run: Path,
-                                                                  tmp_path: Path) -> None:
-    from scripts.eval_bleu import evaluate_checkpoint
+def test_nmt_evaluate_under_torchrun_gives_the_single_process_report(nmt_run: Path,
+                                                                   tmp_path: Path) -> None:
+    from apps.nmt.evaluate import evaluate_checkpoint
 
     single = evaluate_checkpoint(nmt_run, split="test", beam_size=2, max_per_lang=3,
                                  out=tmp_path / "single")
-    launch.torchrun("scripts.eval_bleu", ["--ckpt", str(nmt_run), "--split", "test", "--beam",
+    launch.torchrun("apps.nmt.evaluate", ["--ckpt", str(nmt_run), "--split", "test", "--beam",
                                           "2", "--max-per-lang", "3", "--out",
                                           str(tmp_path / "piped")])
     piped = json.loads((tmp_path / "piped.json").read_text())

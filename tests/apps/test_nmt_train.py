@@ -15,9 +15,14 @@ from apps.config import ConfigError, save_config
 from apps.nmt import train
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import CorpusError, load_tokenizer
-from apps.nmt.evaluate import CheckpointError, load_checkpoint, mean_token_loss
+from apps.nmt.evaluate import (
+    CheckpointError,
+    TokenizerMismatch,
+    evaluate_checkpoint,
+    load_checkpoint,
+    mean_token_loss,
+)
 from apps.nmt.model import token_cross_entropy_sum
-from scripts.eval_bleu import TokenizerMismatch, evaluate_checkpoint
 from tests.conftest import FLOAT32_REORDERED_REL
 from tests.distributed import launch
 from tests.distributed.launch import spawn
