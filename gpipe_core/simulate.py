@@ -13,7 +13,7 @@ runtime writes, so a predicted timeline draws exactly like a measured one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .events import TimelineEvent
 from .remat import checkpoint_stop
@@ -30,7 +30,8 @@ class Simulation:
     bubble_fraction: float  # idle share of all ranks' time over the step
     events: list[TimelineEvent]
     peak_inflight: list[int]  # per rank: most micro-batches between their F and their B/W
-    peak_bytes: list[float]  # per rank: activation bytes at that peak (0 without sizes)
+    peak_bytes: list[float]  # per rank: the most bytes of those given it held at once (0
+    # without sizes): kept activations; with messages, gradients and working bytes, all
     # (a rank is a stage without virtual stages; with them a micro-batch counts per stage)
 
 
@@ -47,6 +48,9 @@ def simulate(
     forward_no_grad: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
     input_bytes: Sequence[float] | None = None,
+    output_bytes: Sequence[float] | None = None,
+    gradient_bytes: Sequence[float] | None = None,
+    working_bytes: Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
     runs one action at a time (with virtual stages, several stages' actions in its row's order).
@@ -65,6 +69,14 @@ def simulate(
     ``activation_bytes[s]``: what stage s keeps for one micro-batch's backward without
     re-materialization, from F until B or W; ``input_bytes[s]``: its input, all it keeps when
     re-materialized until B or I (I rebuilds the graph, which W needs: activation bytes again).
+    Optional, for a rank's whole tensor memory in a step: ``output_bytes[s]``, the message stage
+    s sends downstream (its input gradient, sent upstream, is ``input_bytes[s]``; a rank holds
+    the newest message it sent to another rank: the transport frees a send's buffer once it
+    has left, which it checks at the next send); ``gradient_bytes[s]``, its parameters'
+    gradients, held from its first B or W on; ``working_bytes[s]``, the most one of its actions
+    adds while it runs above what the rank holds for the other micro-batches, this one's input
+    included (a re-materialized backward's recomputed activations are in it). Without
+    ``working_bytes`` the peak is taken between actions only.
     """
     k, m = schedule.num_stages, schedule.num_microbatches
     ranks, placement = schedule.num_ranks, schedule.placement
@@ -73,6 +85,11 @@ def simulate(
                          ("recompute", recompute), ("forward_no_grad", forward_no_grad)):
         if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} costs for {k} stages; give one per stage")
+    for name, values in (("activation_bytes", activation_bytes), ("input_bytes", input_bytes),
+                         ("output_bytes", output_bytes), ("gradient_bytes", gradient_bytes),
+                         ("working_bytes", working_bytes)):
+        if values is not None and len(values) != k:
+            raise ValueError(f"{name} has {len(values)} sizes for {k} stages; give one per stage")
     costs = {"F": list(forward), **_backward_costs(backward, backward_input, backward_weight)}
     if isinstance(transfer, (int, float)):
         links = [float(transfer)] * max(k - 1, 0)
@@ -91,8 +108,8 @@ def simulate(
     events: list[TimelineEvent] = []
     inflight = [0] * ranks
     peak_inflight = [0] * ranks
-    kept = [0.0] * ranks
-    peak_bytes = [0.0] * ranks
+    memory = [_RankMemory() for _ in range(ranks)]
+    sizes = _Sizes(activation_bytes, input_bytes, output_bytes, gradient_bytes, working_bytes)
     total = sum(len(row) for row in schedule.actions)
     done = 0
     while done < total:
@@ -117,19 +134,12 @@ def simulate(
                     finish[(s, "I", action.mb)] = end  # a B sends the input gradient too
                 free[r] = end
                 events.append(TimelineEvent(s, str(action), start, end))
-                held = _kept_bytes(s, rematerialized, activation_bytes, input_bytes)
-                if action.kind == "F":
-                    inflight[r] += 1
-                    kept[r] += held
-                elif action.kind == "I":
-                    # I rebuilt a re-materialized micro-batch's graph; W needs it.
-                    kept[r] += _kept_bytes(s, False, activation_bytes, input_bytes) - held
-                else:  # B or W: the micro-batch's state is freed
-                    inflight[r] -= 1
-                    kept[r] -= _kept_bytes(s, action.kind == "B" and rematerialized,
-                                           activation_bytes, input_bytes)
+                inflight[r] += {"F": 1, "I": 0}.get(action.kind, -1)  # B or W ends it
                 peak_inflight[r] = max(peak_inflight[r], inflight[r])
-                peak_bytes[r] = max(peak_bytes[r], kept[r])
+                sends_to_other_rank = (
+                    (action.kind == "F" and s + 1 < k and placement[s + 1] != placement[s])
+                    or (action.kind in "BI" and s > 0 and placement[s - 1] != placement[s]))
+                memory[r].run(action.kind, s, rematerialized, sizes, sends_to_other_rank)
                 cursor[r] += 1
                 done += 1
                 progressed = True
@@ -139,7 +149,7 @@ def simulate(
     step_time = max(free)
     busy = sum(e.end - e.start for e in events)
     bubble = 1.0 - busy / (step_time * ranks) if step_time > 0 else 0.0
-    return Simulation(step_time, bubble, events, peak_inflight, peak_bytes)
+    return Simulation(step_time, bubble, events, peak_inflight, [mem.peak for mem in memory])
 
 
 def _ready_time(
@@ -162,17 +172,66 @@ def _ready_time(
     return None if later is None else max(own, later + links[s])
 
 
-def _kept_bytes(
-    s: int,
-    rematerialized: bool,
-    activation_bytes: Sequence[float] | None,
-    input_bytes: Sequence[float] | None,
-) -> float:
-    if activation_bytes is None:
-        return 0.0
-    if rematerialized:
-        return input_bytes[s] if input_bytes is not None else 0.0
-    return activation_bytes[s]
+@dataclass
+class _Sizes:
+    """The per-stage sizes :func:`simulate` was given (``None``: not modelled)."""
+
+    activation: Sequence[float] | None
+    input: Sequence[float] | None
+    output: Sequence[float] | None
+    gradient: Sequence[float] | None
+    working: Sequence[float] | None
+
+    def kept(self, s: int, rematerialized: bool) -> float:
+        """What stage s keeps for one micro-batch from its F until its B (or I, then W)."""
+        if self.activation is None:
+            return 0.0
+        if rematerialized:
+            return self.input[s] if self.input is not None else 0.0
+        return self.activation[s]
+
+    def received(self, s: int) -> float:
+        return self.input[s] if self.input is not None else 0.0
+
+
+@dataclass
+class _RankMemory:
+    """One rank's tensor bytes as its actions run, and their peak."""
+
+    kept: float = 0.0  # the pending micro-batches' activations (or inputs, re-materialized)
+    sent: float = 0.0  # the newest message sent to another rank
+    gradients: float = 0.0  # the gradients of its stages that have run a backward
+    stages_with_gradients: set[int] = field(default_factory=set)
+    peak: float = 0.0
+
+    def run(self, kind: str, s: int, rematerialized: bool, sizes: _Sizes,
+            sends_to_other_rank: bool) -> None:
+        """Account for one action of stage s: its peak while it runs, then what it leaves."""
+        # What this micro-batch holds when the action starts: nothing before its F; after an
+        # I, the graph I rebuilt (activation bytes), which W frees.
+        held = sizes.kept(s, rematerialized)
+        if kind == "F":
+            before = 0.0
+        elif kind == "W":
+            before = sizes.kept(s, False)
+        else:
+            before = held
+        if sizes.working is not None:  # during the action: the others, its input, its work
+            self.peak = max(self.peak, self.kept - before + sizes.received(s) + self.sent
+                            + self.gradients + sizes.working[s])
+        if kind == "F":
+            self.kept += held
+        elif kind == "I":  # I rebuilt a re-materialized micro-batch's graph; W needs it
+            self.kept += sizes.kept(s, False) - held
+        else:  # B or W: the micro-batch's state is freed
+            self.kept -= before
+        if kind in "BW" and sizes.gradient is not None and s not in self.stages_with_gradients:
+            self.stages_with_gradients.add(s)
+            self.gradients += sizes.gradient[s]
+        if sends_to_other_rank and sizes.output is not None:
+            # F sends the output downstream; B or I the input gradient, of the input's size.
+            self.sent = sizes.output[s] if kind == "F" else sizes.received(s)
+        self.peak = max(self.peak, self.kept + self.sent + self.gradients)
 
 
 def _backward_costs(

@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scripts.harness import write_json
+
 K = 2
 
 
@@ -77,7 +79,7 @@ def main() -> None:
               f"{r['bubble_ideal']:>6.0%}{compute:>16}{wait:>13}"
               f"{r.get('remat_overhead', float('nan')):>12.0%}{saved:>17}")
     out = args.results[0].with_name("app_efficiency.json")
-    out.write_text(json.dumps(rows, indent=1))
+    write_json(out, rows)
     print(f"wrote {out}")
 
 

@@ -10,7 +10,7 @@ with G = 1, 2, 4, 8 groups of sentences in flight; each for beam 4 and greedy. R
 median seconds and sentences per second, the ratio to the one-process rows measured beside it,
 whether the hypotheses equal the one-process search on the same groups, and per rank the
 parameter bytes held, the peak of tensor memory the decoding itself allocated
-(``scripts.reproduction.LiveTensorBytes``: caches, activations, messages) and the peak resident
+(``scripts.harness.LiveTensorBytes``: caches, activations, messages) and the peak resident
 memory (rank 0's includes the whole model it keeps for the one-process rows). Writes JSON.
 
     python scripts/bench_decoding.py [--sentences 64 --num-layers 6 --d-model 256 ...]
@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +36,7 @@ from apps.nmt.search import BeamSearch, GreedySearch, Hypothesis, search_hypothe
 from gpipe_core.launch import spawn
 from gpipe_core.materialize import materialize
 from gpipe_core.partition import optimal_balance
-from scripts.bench_pipeline import reset_peak_rss, rss_mb, timed_step
-from scripts.reproduction import LiveTensorBytes
+from scripts.harness import LiveTensorBytes, reset_peak_rss, rss_mb, timed_step, write_json
 
 K = 2
 SEED = 0
@@ -242,9 +240,7 @@ def main() -> None:
         row["speedup_vs_single2"] = single[(row["beam"], "single2")] / row["seconds"]
     report.update(config=vars(args), K=K,
                   load_average_1_5_15_min_before_after=[load_before, os.getloadavg()])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out = write_json(args.out, report)
 
     mb = report["model_param_bytes"] / 2**20
     print(f"model: {report['model_parameters'] / 1e6:.1f}M parameters ({mb:.1f} MB), "

@@ -12,7 +12,6 @@ the pipeline keeps itself), prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import gpipe_core as gp
+from scripts.harness import write_json
 
 
 class TransformerBlock(nn.Module):
@@ -200,8 +200,7 @@ def main() -> None:
               f"always saves {never8['peak_saved_bytes'] / always8['peak_saved_bytes']:.2f}x "
               f"bytes for {always8['seconds'] / never8['seconds']:.2f}x time")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    write_json(out, rows)
     print(f"wrote {out}")
 
 

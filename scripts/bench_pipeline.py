@@ -24,11 +24,9 @@ resident memory). Writes JSON and a PNG of speedup against M.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +36,15 @@ from torch import Tensor, nn
 
 import gpipe_core as gp
 from gpipe_core.launch import spawn
-from scripts.reproduction import LiveTensorBytes
+from scripts.harness import (
+    LiveTensorBytes,
+    pyplot,
+    save_figure,
+    setup_process,
+    step_memory_mb,
+    timed_step,
+    write_json,
+)
 
 K = 2
 OURS = ("gpipe", "1f1b", "1f1b_slack1", "zb_h1", "zb_h2", "interleaved_1f1b", "interleaved_zb",
@@ -82,51 +88,6 @@ def data(args: argparse.Namespace) -> tuple[Tensor, Tensor]:
     return x, torch.randn(args.batch, args.seq, args.width, generator=g)
 
 
-def timed_step(fn: Any) -> float:
-    """Seconds of one step of ``fn`` on every rank: a step lasts as long as its slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
-
-
-def rss_mb(field: str) -> float | None:
-    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in MB, from /proc (Linux)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> None:
-    """Give cached free memory back to the system and restart the high-water mark ``VmHWM``."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def step_memory_mb(fn: Any) -> tuple[float | None, float | None]:
-    """Peak resident memory during one step, and how much of it the step itself added.
-
-    Memory the allocator cached from earlier steps is first returned to the system
-    (``malloc_trim``) and the high-water mark restarted (/proc/self/clear_refs), so the peak
-    is this step's, and the part above the resident size before it counts what the step
-    touches: activations kept for backward, gradients, messages.
-    """
-    try:
-        reset_peak_rss()
-    except OSError:
-        return None, None
-    before = rss_mb("VmRSS")
-    timed_step(fn)
-    peak = rss_mb("VmHWM")
-    return peak, None if before is None or peak is None else peak - before
-
-
 def step_tensor_mb(fn: Any) -> float:
     """Peak bytes of tensors one step holds at once (``LiveTensorBytes``: what the step adds,
     activations kept for backward, gradients, messages; not the allocator's slack)."""
@@ -151,16 +112,6 @@ def plain_steps(model: nn.Sequential, x: Tensor, y: Tensor, m: int, rank: int) -
                 (loss_fn(model(xm), ym) / m).backward()
 
     return {"whole": whole, "chunked": chunked}
-
-
-def setup_process(rank: int, world_size: int, *, pin: bool, hold_memory: bool) -> None:
-    """Before the process group (gpipe_core.launch's ``setup``): cores and allocator."""
-    if pin:
-        gp.bind_cpus(rank, world_size)  # one core per rank; torch threads = 1
-    else:
-        torch.set_num_threads(1)
-    if hold_memory:
-        gp.hold_freed_memory()  # for every row alike, the plain module's included
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
@@ -286,9 +237,7 @@ def main() -> None:
         row["efficiency"] = ideal / row["seconds"]
         row["parallel_efficiency"] = plain[(m, "chunked")] / K / row["seconds"]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"config": vars(args), "rows": rows}
-    (out / "bench_pipeline.json").write_text(json.dumps(report, indent=1))
+    write_json(out / "bench_pipeline.json", {"config": vars(args), "rows": rows})
     whole = statistics.median(s for (_, schedule), s in plain.items() if schedule == "whole")
     print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
           f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}; freed memory held: "
@@ -327,12 +276,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for impl in ("gpipe_core", "torch.pipelining"):
         for schedule, style in (("gpipe", "-o"), ("1f1b", "--s"), ("1f1b_slack1", "-.^"),
                                 ("zb_h1", ":v"), ("zb_h2", ":D"), ("interleaved_1f1b", "-x"),
@@ -348,9 +292,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("speedup over plain (1 thread)")
     ax.set_title(f"K={K} pipeline on CPU (gloo)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

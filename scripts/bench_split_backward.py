@@ -13,7 +13,6 @@ micro-batch for moving W off the critical path.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch import Tensor, nn
 
 from gpipe_core.stage import Stage
 from scripts.bench_pipeline import Block  # pre-norm residual MLP block
+from scripts.harness import write_json
 
 
 def build(model: str, blocks: int, width: int) -> list[tuple[str, nn.Module]]:
@@ -87,9 +87,7 @@ def main() -> None:
               f"{both / b:>9.2f}")
         report.append({"checkpoint": mode, "B": b, "I": i, "W": w, "I+W": both})
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.model}.json").write_text(json.dumps({"config": vars(args), "rows": report},
-                                                       indent=1))
+    write_json(out / f"{args.model}.json", {"config": vars(args), "rows": report})
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ a half stage counts 1/2). Writes JSON and one timeline picture per schedule.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import gpipe_core as gp
 from gpipe_core.trace import write_timeline_png
+from scripts.harness import write_json
 
 ONE_PER_RANK = ("gpipe", "1f1b", "zb_h1", "zb_h2")
 TWO_PER_RANK = ("interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v")
@@ -86,8 +86,7 @@ def main() -> None:
         write_timeline_png(row.pop("events"), out / f"{tag}_{row['schedule']}.png",  # type: ignore[arg-type]
                            num_stages=args.ranks * int(row["stages_per_rank"]),  # type: ignore[call-overload]
                            placement=placement if row["stages_per_rank"] != 1 else None)  # type: ignore[arg-type]
-    (out / f"schedules_{tag}.json").write_text(json.dumps({"config": vars(args), "rows": rows},
-                                                          indent=1))
+    write_json(out / f"schedules_{tag}.json", {"config": vars(args), "rows": rows})
     print(f"wrote {out}/schedules_{tag}.json and a timeline per schedule")
 
 

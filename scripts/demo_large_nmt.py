@@ -47,9 +47,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 REPO = Path(__file__).resolve().parents[1]
 MB = 2**20
 BYTES_PER_TRAINED_PARAMETER = 16  # float32 weight, gradient, Adam's two moments
@@ -86,7 +83,7 @@ TINY = {
 
 def rss_mb(field: str) -> float:
     """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, in MB."""
-    from scripts.bench_pipeline import rss_mb as read
+    from scripts.harness import rss_mb as read
 
     value = read(field)
     assert value is not None, "needs Linux /proc"
@@ -106,7 +103,7 @@ def start_baseline() -> float:
     import gpipe_core as gp
     from apps.nmt.config import build_model, load_nmt_config
     from apps.nmt.model import token_cross_entropy_sum
-    from scripts.bench_pipeline import reset_peak_rss
+    from scripts.harness import reset_peak_rss
 
     config = load_nmt_config(["--config=tiny"])
     model = gp.materialize(build_model(config, device="meta"), seed=0)

@@ -141,26 +141,21 @@ def divergence_step(losses: Sequence[float], *, after: int) -> int | None:
 
 
 def provenance(seed: int) -> dict[str, Any]:
-    """What every result JSON records: commit (``+dirty`` with uncommitted changes), torch
-    version, UTC time, the machine's 1/5/15-minute load averages and core count, and the seed."""
+    """What every result JSON records (``scripts.harness.provenance`` in the sweeps' own
+    format): commit (``+dirty`` with uncommitted changes), torch version, UTC time, the
+    machine's 1/5/15-minute load averages and core count, and the seed."""
     import datetime
 
-    import torch
+    from scripts.harness import provenance as recorded
 
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                              check=False)
-        return done.stdout.strip()
-
-    commit = git("rev-parse", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
+    record = recorded()
+    utc = datetime.datetime.fromisoformat(record["utc"])
     return {
-        "commit": commit,
-        "torch": torch.__version__,
-        "utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
-        "cpu_count": os.cpu_count(),
+        "commit": record["commit"] + ("+dirty" if record["uncommitted_changes"] else ""),
+        "torch": record["torch"],
+        "utc": utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "loadavg": [round(x, 2) for x in record["load_average_after"]],
+        "cpu_count": record["machine"]["cpus"],
         "seed": seed,
     }
 

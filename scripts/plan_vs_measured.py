@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import gpipe_core as gp
+from scripts.harness import write_json
 from scripts.reproduction import THROUGHPUT_FAMILIES, layer_sizes
 
 
@@ -97,7 +98,7 @@ def main() -> None:
               f"best measured K={b['K']} M={b['M']} {b['checkpoint']} {b['seconds']:.3f} s: "
               f"choice {row['choice_over_best']:+.0%} over the best")
     out = Path(args.results).with_name("simulator_plan.json")
-    out.write_text(json.dumps(rows, indent=1))
+    write_json(out, rows)
     print(f"wrote {out}")
 
 

@@ -35,9 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scripts.provenance import ROOT, provenance  # noqa: E402
+from scripts.harness import ROOT, provenance
 
 APPS = {"amoebanet": "train-amoebanet", "nmt": "train-nmt"}
 LIMIT_MINUTES = 30.0

@@ -74,19 +74,17 @@ from typing import Any
 import numpy as np
 import torch
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from apps.nmt.config import NMTConfig, build_model, load_nmt_config  # noqa: E402
-from apps.nmt.data import (  # noqa: E402
+from apps.nmt.config import NMTConfig, build_model, load_nmt_config
+from apps.nmt.data import (
     TrainBatches,
     language_counts,
     load_tokenizer,
     resource_buckets,
 )
-from apps.nmt.evaluate import Sentence, load_eval_sentences, load_model, translate  # noqa: E402
-from apps.nmt.model import count_parameters  # noqa: E402
-from scripts.nmt_runs import (  # noqa: E402
+from apps.nmt.evaluate import Sentence, load_eval_sentences, load_model, translate
+from apps.nmt.model import count_parameters
+from scripts.harness import pyplot, save_figure
+from scripts.nmt_runs import (
     drop_checkpoints,
     parse_settings,
     provenance,
@@ -418,11 +416,7 @@ def summarise(results: Sequence[Mapping[str, Any]], n_boot: int) -> dict[str, An
 
 
 def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     buckets = summary["buckets"]
     names = sorted(set(buckets.values()))
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
@@ -439,9 +433,7 @@ def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("dev loss (nats/token)")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
 
 
 # ---------------------------------------------------------------------------------------------

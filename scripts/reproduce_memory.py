@@ -51,7 +51,7 @@ import torch
 import gpipe_core as gp
 from gpipe_core.launch import start, stop
 from gpipe_core.partition import optimal_balance
-from scripts.bench_pipeline import reset_peak_rss, rss_mb
+from scripts.harness import pyplot, reset_peak_rss, rss_mb, save_figure, write_json
 from scripts.reproduction import FAMILIES, TINY_FAMILIES, Family, layer_sizes
 
 MB = 2**20
@@ -345,8 +345,7 @@ def main() -> None:
                                     "trials": [asdict(t) for t in log]}
     report["wall_seconds"] = time.monotonic() - started
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "memory.json").write_text(json.dumps(report, indent=1))
+    write_json(out / "memory.json", report)
     print_table(report)
     plot(report, out / "memory.png")
     print(f"wrote {out}/memory.json and memory.png ({report['wall_seconds']:.0f} s)")
@@ -370,13 +369,8 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(report["families"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         cells = [c for c in report["families"][name]["cells"] if c["fits"]]
         labels = [c["column"] for c in cells]
@@ -391,9 +385,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("largest model, M parameters")
         ax.set_title(f"{name}: {report['config']['budget_mb']:.0f} MB per process")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

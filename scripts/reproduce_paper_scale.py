@@ -39,12 +39,9 @@ not fitted to these tables.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import statistics
-import subprocess
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -60,6 +57,7 @@ import gpipe_core as gp
 from apps.amoebanet.model import build_amoebanet
 from apps.nmt.model import Embed, EncoderLayer, Project, transformer
 from gpipe_core.costs import structural_key
+from scripts import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 GB, GiB = 1e9, 2**30
@@ -422,14 +420,9 @@ def table2(tiny: bool) -> dict[str, Any]:
 
 
 def provenance() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"commit": commit, "torch": torch.__version__,
-            "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "load_average_1_5_15_min": list(os.getloadavg())}
+    record = harness.provenance()
+    return {"commit": record["commit"], "torch": record["torch"], "utc": record["utc"],
+            "load_average_1_5_15_min": record["load_average_after"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -453,9 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     report["seconds"] = time.perf_counter() - started
     report["provenance"]["load_average_1_5_15_min_after"] = list(os.getloadavg())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    out = harness.write_json(args.out, report, default=str)
     goals = report["goals"]
     print(f"Table 1: {goals['table1_cells_within_one_ladder_step']}/{goals['table1_cells']} "
           f"cells within one ladder step; parameter memory within 10% in "

@@ -80,10 +80,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from scripts.nmt_runs import (  # noqa: E402
+from scripts.harness import pyplot, save_figure
+from scripts.nmt_runs import (
     divergence_step,
     drop_checkpoints,
     parse_settings,
@@ -364,11 +362,7 @@ def summarise(results: Sequence[Mapping[str, Any]], lrs: Sequence[float],
 
 
 def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     arms = [*ARMS, *COMPARATORS]
     colors = {arm: f"C{i}" for i, arm in enumerate(arms)}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
@@ -396,9 +390,7 @@ def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], out: 
     axes[0].set_ylabel("final training cross entropy (nats/token)")
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "_final_loss.png", dpi=90)
-    plt.close(fig)
+    save_figure(fig, out / "_final_loss.png", dpi=90)
 
     labels = {"loss": "loss", "max_attention_logit": "largest attention logit",
               "max_abs_logit": "largest |logit|", "mean_log_z": "mean log Z",
@@ -429,9 +421,7 @@ def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], out: 
         if axes[0][0].get_legend_handles_labels()[0]:
             axes[0][0].legend(fontsize=7)
         fig.suptitle(f"{norm}-norm trajectories, seed 0", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(out / f"_trajectories_{norm}.png", dpi=80)
-        plt.close(fig)
+        save_figure(fig, out / f"_trajectories_{norm}.png", dpi=80)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ each pinned to its own core (``gp.bind_cpus``) and keeping freed memory mapped
    once per configuration, and beside it the peak resident memory above the resident size.
 3. **Predicted.** ``gp.simulate`` on the same schedule, with stage costs summed from the
    layer costs, the no-autograd forward for re-materialized micro-batches, the recomputation
-   in backward, and the fitted transfer time of the boundary's payload. Peak memory by walking
-   each stage's actions (``predicted_memory_mb``) with sizes measured on one real micro-batch
-   (``stage_memory``): saved tensors, input and output messages, gradients, and the most an
-   action adds while it runs.
+   in backward, and the fitted transfer time of the boundary's payload. Peak memory from the
+   same simulation (its walk of each rank's actions) with sizes measured on one real
+   micro-batch (``stage_memory``): saved tensors, input and output messages, gradients, and
+   the most an action adds while it runs.
 4. **Table 2.** Measured K=2 throughput for M = 1, 4, 8, 32 (fill-drain, ``except_last`` as
    in the paper), normalised to K=2, M=1; predicted for K = 2, 4, 8, 16 from the same costs.
 
@@ -59,13 +59,20 @@ from gpipe_core.microbatch import scatter
 from gpipe_core.partition import optimal_balance
 from gpipe_core.remat import checkpoint_stop
 from gpipe_core.schedule import get_schedule
-from scripts.bench_pipeline import step_memory_mb, timed_step
+from scripts.harness import (
+    LiveTensorBytes,
+    pyplot,
+    save_figure,
+    setup_process,
+    step_memory_mb,
+    timed_step,
+    write_json,
+)
 from scripts.reproduction import (
     APP_FAMILIES,
     THROUGHPUT_FAMILIES,
     TINY_THROUGHPUT_FAMILIES,
     Family,
-    LiveTensorBytes,
     Size,
     layer_memory,
     layer_sizes,
@@ -266,9 +273,10 @@ def stage_sums(values: list[float], balance: list[int]) -> list[float]:
 
 
 def predict(costs: LayerCosts, sizes: Any, balance: list[int],
-            schedule: str, checkpoint: str, m: int, transfer: tuple[float, float]
-            ) -> gp.Simulation:
-    """``gp.simulate`` for one configuration from per-layer costs (one micro-batch each)."""
+            schedule: str, checkpoint: str, m: int, transfer: tuple[float, float],
+            memory: list[StageMemory] | None = None) -> gp.Simulation:
+    """``gp.simulate`` for one configuration from per-layer costs (one micro-batch each); with
+    ``memory`` (:func:`stage_memory`), each rank's peak tensor memory in ``peak_bytes``."""
     k = len(balance)
     bounds = [sum(balance[: i + 1]) for i in range(k)]
     latency, per_byte = transfer
@@ -278,8 +286,7 @@ def predict(costs: LayerCosts, sizes: Any, balance: list[int],
         stage_sums(costs.backward, balance), transfer=links, checkpoint=checkpoint,
         recompute=stage_sums(costs.forward, balance),
         forward_no_grad=stage_sums(costs.forward_no_grad, balance),
-        activation_bytes=stage_sums(sizes.saved, balance),
-        input_bytes=[sizes.inputs[sum(balance[:s])] for s in range(k)])
+        **(memory_sizes(memory) if memory is not None else {}))
 
 
 def calibrate(costs: LayerCosts, rows: list[dict[str, Any]], m: int, balance: list[int]
@@ -333,46 +340,18 @@ def stage_memory(model: nn.Sequential, balance: list[int], inputs: Any, targets:
     return result
 
 
-def predicted_memory_mb(schedule: Any, stages: list[StageMemory], checkpoint: str
-                        ) -> list[float]:
-    """Each stage's peak tensor memory in a step above its start, walking its actions in order.
-
-    What ``DistributedGPipe`` holds: per pending micro-batch its received input and, unless
-    re-materialized, its saved tensors; the last message it sent (the transport frees a send's
-    buffer once it has left, which it checks at the next send); its gradients from its first
-    backward on; and during an action the action's own extra (a re-materialized backward
-    recomputes the saved tensors).
-    """
-    stop = checkpoint_stop(checkpoint, schedule.num_microbatches)
-    peaks = []
-    for s, actions in enumerate(schedule.actions):
-        st = stages[s]
-        kept = sent = grads = peak = 0.0
-        for action in actions:
-            mine = 0.0 if action.mb < stop else st.saved
-            if action.kind == "F":
-                peak = max(peak, kept + st.received + sent + grads + st.extra)
-                kept += st.received + mine
-                if s < len(stages) - 1:
-                    sent = st.sent
-            else:
-                peak = max(peak, kept - mine + sent + grads + st.extra)
-                kept -= st.received + mine
-                grads = st.grads
-                if s > 0:
-                    sent = st.received  # the input gradient goes back
-            peak = max(peak, kept + sent + grads)
-        peaks.append(peak / MB)
-    return peaks
+def memory_sizes(stages: list[StageMemory]) -> dict[str, list[float]]:
+    """:class:`StageMemory` as ``gp.simulate``'s sizes: per pending micro-batch a stage keeps
+    its received input and, unless re-materialized, its saved tensors; the newest message it
+    sent; its gradients from its first backward on; and during an action that action's extra."""
+    return {"activation_bytes": [st.saved + st.received for st in stages],
+            "input_bytes": [st.received for st in stages],
+            "output_bytes": [st.sent for st in stages],
+            "gradient_bytes": [st.grads for st in stages],
+            "working_bytes": [st.extra for st in stages]}
 
 
 # --- the measured run -----------------------------------------------------------------------
-
-
-def setup_process(rank: int, world_size: int) -> None:
-    """Before the process group (gpipe_core.launch's ``setup``): cores and allocator."""
-    gp.bind_cpus(rank, world_size)  # one core per rank; torch threads = 1
-    gp.hold_freed_memory()
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
@@ -485,7 +464,7 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
     _, size = families[args.family]
     inputs, targets = family.batch(family.batch_size)
     real = gp.materialize(family.build(size), seed=0)  # tensor sizes, measured once per M
-    memory_sizes: dict[int, list[StageMemory]] = {}
+    memory: dict[int, list[StageMemory]] = {}
     transfer = fit_transfer({int(k): v for k, v in run["transfer_points"].items()})
     costs = {m: mean_costs(run["costs_per_rank"], m) for m in args.microbatches}
     balance = run["balance"]
@@ -496,12 +475,12 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
             continue
         m = row["M"]
         sizes = layer_sizes(family.build(size), _first_microbatch(inputs, m))
-        sim = predict(costs[m], sizes, balance, row["schedule"], row["checkpoint"], m, transfer)
-        if m not in memory_sizes:
-            memory_sizes[m] = stage_memory(real, balance, _first_microbatch(inputs, m),
-                                           _first_microbatch(targets, m), family.loss_fn)
-        mem = predicted_memory_mb(get_schedule(row["schedule"], K, m), memory_sizes[m],
-                                  row["checkpoint"])
+        if m not in memory:
+            memory[m] = stage_memory(real, balance, _first_microbatch(inputs, m),
+                                     _first_microbatch(targets, m), family.loss_fn)
+        sim = predict(costs[m], sizes, balance, row["schedule"], row["checkpoint"], m, transfer,
+                      memory[m])
+        mem = [peak / MB for peak in sim.peak_bytes]
         row.update(predicted_seconds=sim.step_time, predicted_bubble=sim.bubble_fraction,
                    time_error=sim.step_time / row["seconds"] - 1,
                    predicted_step_memory_mb_per_rank=mem,
@@ -638,10 +617,9 @@ def main() -> None:
     del args.family
     report["wall_seconds"] = time.monotonic() - started
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     suffix = f"_{args.tag}" if args.tag else ""
     names = [f"throughput{suffix}.json", f"throughput{suffix}.png", f"simulator{suffix}.png"]
-    (out / names[0]).write_text(json.dumps(report, indent=1))
+    write_json(out / names[0], report)
     plot_table2(report, out / names[1])
     plot_accuracy(report, out / names[2])
     print(f"wrote {', '.join(str(out / n) for n in names)} ({report['wall_seconds']:.0f} s)")
@@ -685,13 +663,8 @@ def print_family(result: dict[str, Any]) -> None:
 
 
 def plot_table2(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(report["families"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         table = report["families"][name]["table2"]
         ks = sorted({int(key.split(",")[0][2:]) for key in table["predicted"]})
@@ -710,18 +683,11 @@ def plot_table2(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("throughput / (K=2, M=1)")
         ax.set_title(f"{name}: Table 2 at CPU scale")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_accuracy(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4.2))
+    fig, (ax_time, ax_mem) = pyplot().subplots(1, 2, figsize=(10, 4.2))
     markers = {"amoebanet": "o", "transformer": "^"}
     colors = {"gpipe": "tab:blue", "1f1b": "tab:orange", "1f1b_slack1": "tab:green"}
     for name, result in report["families"].items():
@@ -752,9 +718,7 @@ def plot_accuracy(report: dict[str, Any], path: Path) -> None:
     ax_time.set_title("gp.simulate vs measured, K=2 (dotted: +-10%)\nfilled: profiled layer "
                       "costs; hollow: in-situ action costs", fontsize=9)
     ax_mem.set_title("peak memory per rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

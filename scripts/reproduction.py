@@ -18,7 +18,6 @@ memory-aware balance, ``gp.simulate`` and ``gp.plan`` take.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -28,12 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.fx.experimental import _config as fx_config
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from apps.amoebanet.model import build_amoebanet
 from apps.nmt.model import token_cross_entropy, transformer
 from gpipe_core.microbatch import flatten, map_tensors
+from scripts.harness import LiveTensorBytes
 
 Size = dict[str, int]
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,46 +276,7 @@ def layer_sizes(model: nn.Sequential, inputs: Any) -> LayerSizes:
     return sizes
 
 
-# --- tensor memory, measured ----------------------------------------------------------------
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """The CPU analogue of ``torch.cuda.max_memory_allocated``: bytes of tensor storage alive.
-
-    Inside the context every storage an operator creates is counted until it is freed; the
-    peak is the most that was alive at once. Storages that existed before (``existing``:
-    parameters, buffers, the batch) are never counted, so the peak is what the step itself
-    adds: activations kept for backward, gradients, temporaries and message buffers. Memory
-    allocated outside torch's dispatcher (gloo's own buffers, the Python heap) is not seen, and
-    nor is the allocator's slack, which resident-memory measurements include.
-    """
-
-    def __init__(self, existing: Any = ()) -> None:
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}
-        leaves = [t for t in flatten(existing)[0] if isinstance(t, Tensor)]
-        self._ignored = {t.untyped_storage().data_ptr() for t in leaves}
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if not isinstance(t, Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key == 0 or key in self._live or key in self._ignored:
-                continue
-            self._live[key] = storage.nbytes()
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(storage, self._free, key)
-        return out
+# --- tensor memory per layer, measured ----------------------------------------------------------------
 
 
 @dataclass

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 import gpipe_core as gp
 from gpipe_core.partition import _bisected_balance, optimal_balance
-from scripts.reproduction import LiveTensorBytes, layer_memory
+from scripts.harness import LiveTensorBytes
+from scripts.reproduction import layer_memory
 
 
 class SquareOfViews(nn.Module):

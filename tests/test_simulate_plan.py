@@ -53,6 +53,26 @@ def test_rematerialization_costs_a_forward_and_saves_memory() -> None:
     assert never.peak_bytes == [400, 400] and always.peak_bytes == [40, 40]
 
 
+def test_memory_walk_counts_messages_gradients_and_working_bytes() -> None:
+    # Stage 0 saves 10 per micro-batch, sends 1, has 5 of gradients and needs 12 while an
+    # action runs; stage 1 receives 1, saves 20, has 3 of gradients and needs 25.
+    sizes = dict(activation_bytes=[10, 20 + 1], input_bytes=[0, 1], output_bytes=[1, 0],
+                 gradient_bytes=[5, 3], working_bytes=[12, 25])
+    schedule = gp.gpipe(2, 2)  # F0 F1 B1 B0 on each stage
+    # Stage 0 without re-materialization: F0 peaks at 12, then holds 10 + its message (1); F1
+    # peaks at 11 + 12 = 23 and holds 20 + 1 (only the newest message); B1: 21 - 10 + 12 = 23;
+    # then 10 + 1 + 5 gradients; B0: 16 - 10 + 12 = 18.
+    # Stage 1: F0 1 + 25 = 26, holds 21; F1 21 + 1 + 25 = 47, holds 42; B1 peaks at
+    # 42 - 20 + 25 = 47; afterwards 21 + 1 sent + 3 grads = 25; B0: 25 - 20 + 25 = 30.
+    assert simulate(schedule, [1.0, 1.0], [2.0, 2.0], **sizes).peak_bytes == [23, 47]
+    # Re-materializing everything: stage 1 keeps only its inputs (1 each) and recomputes.
+    # F0: 0 + 1 + 25 = 26; F1: 1 + 1 + 25 = 27; B1: 2 + 25 = 27; B0: 1 + 1 + 3 + 25 = 30.
+    always = simulate(schedule, [1.0, 1.0], [2.0, 2.0], checkpoint="always", **sizes)
+    assert always.peak_bytes[1] == 30
+    with pytest.raises(ValueError, match="output_bytes has 1 sizes for 2 stages"):
+        simulate(schedule, [1.0, 1.0], [2.0, 2.0], output_bytes=[1.0])
+
+
 def test_transfer_time_delays_dependent_actions() -> None:
     sim = simulate(gp.gpipe(2, 1), [1.0, 1.0], [1.0, 1.0], transfer=0.5)
     assert sim.step_time == pytest.approx(4.0 + 2 * 0.5)

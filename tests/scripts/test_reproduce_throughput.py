@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.reproduce_throughput import CONFIGS, fit_transfer
+from scripts.reproduce_throughput import CONFIGS, LayerCosts, fit_transfer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ def test_plan_choice_on_the_committed_results() -> None:
 def test_live_tensor_bytes_counts_what_is_alive_at_once() -> None:
     import torch
 
-    from scripts.reproduction import LiveTensorBytes
+    from scripts.harness import LiveTensorBytes
 
     existing = torch.zeros(1000)  # 4,000 bytes made before: never counted
     with LiveTensorBytes([existing]) as tracker:
@@ -102,22 +102,23 @@ def test_live_tensor_bytes_counts_what_is_alive_at_once() -> None:
     assert tracker.peak == 16_000 and tracker.current == 0
 
 
-def test_predicted_memory_walks_a_stage_by_hand() -> None:
-    from gpipe_core.schedule import get_schedule
-    from scripts.reproduce_throughput import MB, StageMemory, predicted_memory_mb
+def test_stage_memory_goes_to_the_simulators_memory_walk() -> None:
+    from scripts.reproduce_throughput import MB, StageMemory, memory_sizes, predict
+    from scripts.reproduction import LayerSizes
 
     first = StageMemory(saved=10 * MB, extra=12 * MB, received=0, sent=1 * MB, grads=5 * MB)
     last = StageMemory(saved=20 * MB, extra=25 * MB, received=1 * MB, sent=0, grads=3 * MB)
-    schedule = get_schedule("gpipe", 2, 2)  # F0 F1 B1 B0 on each stage
-    # Stage 0 without re-materialization: F0 peaks at 12, then holds 10 + its message (1); F1
-    # peaks at 11 + 12 = 23 and holds 20 + 1 (only the newest message); B1: 21 - 10 + 12 = 23;
-    # then 10 + 1 + 5 gradients; B0: 16 - 10 + 12 = 18.
-    # Stage 1: F0 1 + 25 = 26, holds 21; F1 21 + 1 + 25 = 47, holds 42; B1 peaks at
-    # 42 - 20 + 25 = 47; afterwards 21 + 1 sent + 3 grads = 25; B0: 25 - 20 + 25 = 30.
-    assert predicted_memory_mb(schedule, [first, last], "never") == [23, 47]
-    # Re-materializing everything: stage 1 keeps only its inputs (1 each) and recomputes.
-    # F0: 0 + 1 + 25 = 26; F1: 1 + 1 + 25 = 27; B1: 2 + 25 = 27; B0: 1 + 1 + 3 + 25 = 30.
-    assert predicted_memory_mb(schedule, [first, last], "always")[1] == 30
+    # A stage keeps its received input beside its saved tensors; its input gradient, sent back,
+    # is the input's size; the rest maps one to one.
+    assert memory_sizes([first, last]) == {
+        "activation_bytes": [10 * MB, 21 * MB], "input_bytes": [0, 1 * MB],
+        "output_bytes": [1 * MB, 0], "gradient_bytes": [5 * MB, 3 * MB],
+        "working_bytes": [12 * MB, 25 * MB]}
+    # The walk by hand in tests/test_simulate_plan.py, through the script's prediction.
+    costs = LayerCosts([1.0, 1.0], [1.0, 1.0], [2.0, 2.0])
+    sizes = LayerSizes(saved=[0, 0], inputs=[0, 0], params=[0, 0], outputs=[1.0, 0])
+    sim = predict(costs, sizes, [1, 1], "gpipe", "never", 2, (0.0, 0.0), [first, last])
+    assert [peak / MB for peak in sim.peak_bytes] == [23, 47]
 
 
 def test_app_efficiency_against_the_bubble() -> None:

@@ -1,0 +1,193 @@
+"""What every benchmark and reproduction shares: how its processes run, how it measures a step,
+how it records a result.
+
+- **Processes.** :func:`setup_process` is ``gpipe_core.launch``'s ``setup`` for measured ranks:
+  one core each (``gp.bind_cpus``) and freed memory kept mapped (``gp.hold_freed_memory``).
+- **A step.** :func:`timed_step` (seconds on the slowest rank), :func:`step_memory_mb`
+  (resident memory from /proc: peak, and what the step added; :func:`rss_mb`,
+  :func:`reset_peak_rss`) and :class:`LiveTensorBytes` (the tensors alive at once, the CPU
+  analogue of ``torch.cuda.max_memory_allocated``).
+- **A result.** :func:`provenance` (commit, torch, UTC time, machine, load), so that a number
+  on a page can be traced to the code and the conditions that produced it; :func:`write_json`;
+  :func:`pyplot` and :func:`save_figure` for the pictures beside it.
+
+Scripts run from the repository root as ``python scripts/NAME.py`` or ``python -m
+scripts.NAME``: both import ``scripts`` as the package the project's (editable) install
+provides, so no script touches ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import gpipe_core as gp
+from gpipe_core.microbatch import flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def setup_process(rank: int, world_size: int, *, pin: bool = True, hold_memory: bool = True
+                  ) -> None:
+    """Before the process group (gpipe_core.launch's ``setup``): cores and allocator."""
+    if pin:
+        gp.bind_cpus(rank, world_size)  # one core per rank; torch threads = 1
+    else:
+        torch.set_num_threads(1)
+    if hold_memory:
+        gp.hold_freed_memory()  # for every measured configuration alike
+
+
+# --- measuring a step -----------------------------------------------------------------------
+
+
+def timed_step(fn: Callable[[], Any]) -> float:
+    """Seconds of one step of ``fn`` on every rank: a step lasts as long as its slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def rss_mb(field: str) -> float | None:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in MB, from /proc (Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> None:
+    """Give cached free memory back to the system and restart the high-water mark ``VmHWM``."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def step_memory_mb(fn: Callable[[], Any]) -> tuple[float | None, float | None]:
+    """Peak resident memory during one step, and how much of it the step itself added.
+
+    Memory the allocator cached from earlier steps is first returned to the system
+    (``malloc_trim``) and the high-water mark restarted (/proc/self/clear_refs), so the peak
+    is this step's, and the part above the resident size before it counts what the step
+    touches: activations kept for backward, gradients, messages.
+    """
+    try:
+        reset_peak_rss()
+    except OSError:
+        return None, None
+    before = rss_mb("VmRSS")
+    timed_step(fn)
+    peak = rss_mb("VmHWM")
+    return peak, None if before is None or peak is None else peak - before
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The CPU analogue of ``torch.cuda.max_memory_allocated``: bytes of tensor storage alive.
+
+    Inside the context every storage an operator creates is counted until it is freed; the
+    peak is the most that was alive at once. Storages that existed before (``existing``:
+    parameters, buffers, the batch) are never counted, so the peak is what the step itself
+    adds: activations kept for backward, gradients, temporaries and message buffers. Memory
+    allocated outside torch's dispatcher (gloo's own buffers, the Python heap) is not seen, and
+    nor is the allocator's slack, which resident-memory measurements include.
+    """
+
+    def __init__(self, existing: Any = ()) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+        leaves = [t for t in flatten(existing)[0] if isinstance(t, Tensor)]
+        self._ignored = {t.untyped_storage().data_ptr() for t in leaves}
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0 or key in self._live or key in self._ignored:
+                continue
+            self._live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+# --- recording a result ---------------------------------------------------------------------
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def provenance(load_before: tuple[float, float, float] | None = None) -> dict[str, Any]:
+    """The commit (and whether the tree had uncommitted changes), torch's version, the UTC
+    time, the machine, and the load average (1, 5, 15 min) before the measurement and now."""
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "torch": torch.__version__,
+        "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "python": platform.python_version()},
+        "load_average_before": list(load_before) if load_before is not None else None,
+        "load_average_after": list(os.getloadavg()),
+    }
+
+
+def write_json(path: str | Path, result: Any, **dumps: Any) -> Path:
+    """Write ``result`` as indented JSON at ``path`` (its folder made as needed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, **dumps) + "\n")
+    return path
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend), imported on demand."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 120) -> None:
+    """Lay out, write and close ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
