@@ -1,9 +1,9 @@
 """The two first commands, measured as a new user runs them: do they reach their goal in time?
 
     python scripts/reproduce_defaults.py --condition normal   # one after the other
-    python scripts/reproduce_defaults.py --condition halved   # one after the other, each beside
-                                                              # a busy loop on every core: a
-                                                              # machine half as fast
+    python scripts/reproduce_defaults.py --condition halved   # one after the other, each in a
+                                                              # CPU cgroup of half the cores: a
+                                                              # machine half as fast (root)
     python scripts/reproduce_defaults.py --condition slowed   # both at once (4 ranks and their
                                                               # loaders on 2 cores: slower than
                                                               # half as fast, 2-3x here)
@@ -41,8 +41,8 @@ APPS = {"amoebanet": "train-amoebanet", "nmt": "train-nmt"}
 LIMIT_MINUTES = 30.0
 HOW = {
     "normal": "make train-amoebanet, then make train-nmt, each alone",
-    "halved": "make train-amoebanet, then make train-nmt, each beside one busy loop pinned to "
-              "each core at the same priority (a machine half as fast)",
+    "halved": "make train-amoebanet, then make train-nmt, each alone in a CPU cgroup whose "
+              "quota is half the cores (a machine half as fast)",
     "slowed": "make train-amoebanet and make train-nmt at once, each with 2 ranks on the 2 cores",
 }
 TOP1_GOAL = 0.90
@@ -53,19 +53,52 @@ def sample_load(stop: threading.Event, samples: list[float], every_s: float = 30
         samples.append(os.getloadavg()[0])
 
 
-def busy_loops() -> list[subprocess.Popen[bytes]]:
-    """One spinning process per core, each pinned to its core at the runs' own priority: the
-    scheduler then gives every other runnable process about half of a core, so the machine
-    runs at about half its speed, however the runs place their ranks."""
-    spin = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
-    return [subprocess.Popen([sys.executable, "-c", spin, str(core)])
-            for core in sorted(os.sched_getaffinity(0))]
+class HalfTheCores:
+    """A CPU cgroup whose quota is half of the machine's cores (cgroup v2 ``cpu.max`` or v1
+    ``cpu.cfs_quota_us``, in 10 ms periods): everything started inside it (make, torchrun, the
+    ranks, their loaders) shares that half, as on a machine with cores half as fast. Needs
+    root; says so, and how to run without it, if the cgroup cannot be made.
+
+    (Busy loops pinned beside the runs were the first way tried: a pipeline rank that waits
+    for its peer gives its core to the loop and gets less than half back, so the runs went 3x
+    slower, not 2x.)
+    """
+
+    PERIOD_US = 10_000
+
+    def __init__(self, name: str = "gpipe_reproduce_defaults") -> None:
+        cores = len(os.sched_getaffinity(0))
+        quota = self.PERIOD_US * cores // 2
+        v2, v1 = Path("/sys/fs/cgroup") / name, Path("/sys/fs/cgroup/cpu") / name
+        try:
+            if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+                v2.mkdir(exist_ok=True)
+                (v2 / "cpu.max").write_text(f"{quota} {self.PERIOD_US}\n")
+                self.path = v2
+            else:
+                v1.mkdir(exist_ok=True)
+                (v1 / "cpu.cfs_period_us").write_text(f"{self.PERIOD_US}\n")
+                (v1 / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+                self.path = v1
+        except OSError as exn:
+            raise SystemExit(f"error: --condition halved needs a CPU cgroup it can write "
+                             f"(root, cgroup v1 or v2 with the cpu controller): {exn}; run "
+                             f"--condition slowed instead, or as root") from exn
+        self.quota = f"{quota} us per {self.PERIOD_US} us ({cores} cores)"
+
+    def start(self, command: list[str], log: Path) -> subprocess.Popen[bytes]:
+        # a shell joins the cgroup, then becomes the command: all it starts inherits the quota
+        joined = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"),
+                  *command]
+        return subprocess.Popen(joined, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
-def run_app(app: str, out_dir: Path, log: Path) -> subprocess.Popen[bytes]:
-    target = APPS[app]
-    return subprocess.Popen(["make", "-s", target, f"ARGS=--out_dir={out_dir}"], cwd=ROOT,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+def run_app(app: str, out_dir: Path, log: Path,
+            half: HalfTheCores | None = None) -> subprocess.Popen[bytes]:
+    command = ["make", "-s", APPS[app], f"ARGS=--out_dir={out_dir}"]
+    if half is not None:
+        return half.start(command, log)
+    return subprocess.Popen(command, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
 def result_of(app: str, out_dir: Path, wall_minutes: float | None) -> dict[str, Any]:
@@ -130,18 +163,13 @@ def main() -> None:
                             raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
                         walls[app] = (time.monotonic() - begin) / 60
                 time.sleep(1.0)
-        else:  # one after the other, each alone on the machine (or beside the busy loops)
-            spinners = busy_loops() if args.condition == "halved" else []
-            try:
-                for app in args.apps:
-                    begin = time.monotonic()
-                    if run_app(app, out_dirs[app], logs[app]).wait() != 0:
-                        raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
-                    walls[app] = (time.monotonic() - begin) / 60
-            finally:
-                for spinner in spinners:
-                    spinner.kill()
-                    spinner.wait()
+        else:  # one after the other, each alone on the machine (or on half of its cores)
+            half = HalfTheCores() if args.condition == "halved" else None
+            for app in args.apps:
+                begin = time.monotonic()
+                if run_app(app, out_dirs[app], logs[app], half).wait() != 0:
+                    raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
+                walls[app] = (time.monotonic() - begin) / 60
         stop.set()
     results = {app: result_of(app, out_dirs[app], walls[app]) for app in args.apps}
     record = {
