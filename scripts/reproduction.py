@@ -204,9 +204,10 @@ def app_amoeba_batch(batch_size: int) -> tuple[Tensor, Tensor]:
     return images, torch.randint(0, config.num_classes, (batch_size,), generator=g)
 
 
-# The apps' defaults as trained by `make train-nmt` (Transformer 6+6 at d=128, vocabulary
-# 4000, batches of ~1024 tokens) and `make train-amoebanet` (AmoebaNet-D(6, 32) on 28x28
-# Fashion-MNIST, batch 128), for the pipeline-efficiency measurements of the apps.
+# The apps' defaults as `make train-nmt` and `make train-amoebanet` build them (read from their
+# configs: today NMT 3+3 at d=128 and AmoebaNet-D(4, 24) on 28x28 Fashion-MNIST, batch 128;
+# docs/reproduction/throughput_apps_*.json were measured on the defaults before 2026-12, NMT
+# 6+6 and AmoebaNet-D(6, 32)), for the pipeline-efficiency measurements of the apps.
 APP_FAMILIES: dict[str, tuple[Family, Size]] = {
     "nmt_app": (Family("nmt_app", [{}], build_app_nmt, app_nmt_batch, app_nmt_loss, adam,
                        batch_size=48), {}),
