@@ -92,6 +92,13 @@ class HalfTheCores:
                   *command]
         return subprocess.Popen(joined, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
+    def remove(self) -> None:
+        """Remove the cgroup once everything in it has ended (the kernel refuses it before)."""
+        try:
+            self.path.rmdir()
+        except OSError as exn:
+            print(f"warning: could not remove the cgroup {self.path}: {exn}", file=sys.stderr)
+
 
 def run_app(app: str, out_dir: Path, log: Path,
             half: HalfTheCores | None = None) -> subprocess.Popen[bytes]:
@@ -102,7 +109,11 @@ def run_app(app: str, out_dir: Path, log: Path,
 
 
 def result_of(app: str, out_dir: Path, wall_minutes: float | None) -> dict[str, Any]:
-    summary = json.loads((ROOT / out_dir / "summary.json").read_text())
+    path = ROOT / out_dir / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} does not exist: the run in {out_dir} did not finish; "
+                         f"run it (without --collect), or pass the --condition/--tag it used")
+    summary = json.loads(path.read_text())
     minutes = wall_minutes if wall_minutes is not None else summary["total_minutes"]
     record: dict[str, Any] = {
         "out_dir": str(out_dir),
@@ -146,6 +157,7 @@ def main() -> None:
     load_before = os.getloadavg()
     samples: list[float] = []
     walls: dict[str, float | None] = {app: None for app in args.apps}
+    half: HalfTheCores | None = None
     if not args.collect:
         stop = threading.Event()
         sampler = threading.Thread(target=sample_load, args=(stop, samples), daemon=True)
@@ -165,17 +177,21 @@ def main() -> None:
                 time.sleep(1.0)
         else:  # one after the other, each alone on the machine (or on half of its cores)
             half = HalfTheCores() if args.condition == "halved" else None
-            for app in args.apps:
-                begin = time.monotonic()
-                if run_app(app, out_dirs[app], logs[app], half).wait() != 0:
-                    raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
-                walls[app] = (time.monotonic() - begin) / 60
+            try:
+                for app in args.apps:
+                    begin = time.monotonic()
+                    if run_app(app, out_dirs[app], logs[app], half).wait() != 0:
+                        raise SystemExit(f"error: make {APPS[app]} failed; see {logs[app]}")
+                    walls[app] = (time.monotonic() - begin) / 60
+            finally:
+                if half is not None:
+                    half.remove()
         stop.set()
     results = {app: result_of(app, out_dirs[app], walls[app]) for app in args.apps}
     record = {
         "command": "python scripts/reproduce_defaults.py " + " ".join(sys.argv[1:]),
         "condition": args.condition,
-        "how": HOW[args.condition],
+        "how": HOW[args.condition] + (f"; quota {half.quota}" if half is not None else ""),
         "note": args.note,
         "load_average_1min_while_running": (
             {"min": min(samples), "median": statistics.median(samples), "max": max(samples),
