@@ -58,7 +58,6 @@ from gpipe_core.launch import spawn
 from gpipe_core.microbatch import scatter
 from gpipe_core.partition import optimal_balance
 from gpipe_core.remat import checkpoint_stop
-from gpipe_core.schedule import get_schedule
 from scripts.harness import (
     LiveTensorBytes,
     pyplot,
@@ -282,7 +281,7 @@ def predict(costs: LayerCosts, sizes: Any, balance: list[int],
     latency, per_byte = transfer
     links = [latency + per_byte * sizes.outputs[b - 1] for b in bounds[:-1]]
     return gp.simulate(
-        get_schedule(schedule, k, m), stage_sums(costs.forward, balance),
+        gp.get_schedule(schedule, k, m), stage_sums(costs.forward, balance),
         stage_sums(costs.backward, balance), transfer=links, checkpoint=checkpoint,
         recompute=stage_sums(costs.forward, balance),
         forward_no_grad=stage_sums(costs.forward_no_grad, balance),
@@ -491,7 +490,7 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
         for step, measured_step in enumerate(row["samples"]):
             stage_costs = in_situ_costs([a["steps"][step] for a in row["actions_per_rank"]])
             sim_step = gp.simulate(
-                get_schedule(row["schedule"], K, m), stage_costs["forward"],
+                gp.get_schedule(row["schedule"], K, m), stage_costs["forward"],
                 stage_costs["backward"], transfer=[link] * (K - 1),
                 checkpoint=row["checkpoint"], recompute=stage_costs["recompute"],
                 forward_no_grad=stage_costs["forward_no_grad"])
