@@ -14,6 +14,7 @@ from .layout import PipelineLayout, read_layout
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import NoPlanFits, Plan, plan, plan_largest
+from .profile import StageProfile, profile_stages
 from .schedule import (
     Action,
     Schedule,
@@ -53,6 +54,8 @@ __all__ = [
     "materialize",
     "simulate",
     "Simulation",
+    "profile_stages",
+    "StageProfile",
     "plan",
     "plan_largest",
     "Plan",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .costs import LayerCosts
 from .devices import Device, bytes_per_parameter
@@ -34,9 +34,17 @@ from .partition import optimal_balance
 from .schedule import SCHEDULE_NAMES, get_schedule
 from .simulate import simulate
 
+if TYPE_CHECKING:
+    from .profile import StageProfile
+
 __all__ = ["Plan", "plan", "plan_largest", "NoPlanFits"]
 
 Size = TypeVar("Size")
+# Per-layer seconds of one micro-batch: (forward, backward) or, with a split backward's
+# halves as measured, (forward, backward, backward_input, backward_weight); a half may be None.
+MicrobatchCosts = (tuple[Sequence[float], Sequence[float]]
+                   | tuple[Sequence[float], Sequence[float], Sequence[float] | None,
+                           Sequence[float] | None])
 CHECKPOINTS = ("never", "except_last", "always")
 
 
@@ -99,8 +107,10 @@ def plan(
     per_action_overhead: float = 0.0,
     transfer: float = 0.0,
     min_microbatch: int = 1,
-    microbatch_costs: Mapping[int, tuple[Sequence[float], Sequence[float]]] | None = None,
+    microbatch_costs: Mapping[int, MicrobatchCosts] | None = None,
     backward_weight: Sequence[float] | None = None,
+    backward_input: Sequence[float] | None = None,
+    profiles: Sequence[StageProfile] | None = None,
     stages: Sequence[int] | None = None,
     microbatches: Sequence[int] | None = None,
     checkpoints: Sequence[str] = CHECKPOINTS,
@@ -113,14 +123,23 @@ def plan(
     defaults to the device's memory; ``optimizer``: a name of
     :data:`~gpipe_core.devices.OPTIMIZER_BYTES` or bytes per parameter).
     ``microbatch_costs[M] = (forward, backward)``: per-layer seconds of one micro-batch when
-    the batch is split in M, used for that M instead of the whole-batch cost / M + overhead.
+    the batch is split in M, used for that M instead of the whole-batch cost / M + overhead;
+    ``(forward, backward, backward_input, backward_weight)`` adds the halves of a split
+    backward as measured (either may be None).
+    ``profiles``: per-layer measurements (:func:`~gpipe_core.profile.profile_stages` with one
+    stage per layer, ``balance=[1] * len(model)``), one or more per M: they give
+    ``microbatch_costs`` for their M (a profile of a fused schedule gives B, one of a split
+    schedule I and W; give both and a split schedule pays what its halves measured, which
+    may be more than B), the whole-batch costs for the balance (M times the smallest M's),
+    and the M to try. Without a memory budget (and sizes), every plan fits.
     ``schedule``: any name :func:`~gpipe_core.schedule.get_schedule` knows, or several (the
     plans of all of them compete; ``"all"``: every built-in one). ``"interleaved_1f1b"`` and
     ``"interleaved_zb"`` are tried with each V of ``virtual_stages`` stages per device, ``"zb_v"`` and ``"dualpipe_v"``
     with 2. For schedules
     that split the backward (``"zb_h1"``, ``"zb_h2"``, ``"zb_v"``), ``backward_weight`` gives
     each layer's part of ``backward`` spent on parameter gradients (W; the rest is I); without
-    it, half. ``stages``: the device counts K to try (default 1 to ``max_stages``);
+    it, half. ``backward_input`` with it: I as measured, so that I + W may cost more than B
+    (the split's own overhead, which can make a zero-bubble schedule slower than 1F1B). ``stages``: the device counts K to try (default 1 to ``max_stages``);
     ``microbatches``: the M to try (default every divisor of the batch); ``checkpoints``: the
     re-materialization modes to try.
     """
@@ -145,6 +164,19 @@ def plan(
         raise ValueError(f"checkpoints {unknown} unknown; choose from {CHECKPOINTS}")
     stage_kept: Callable[[int, int], float] | None = None
     boundary_bytes: Sequence[float] | None = None
+    if profiles:
+        measured = _from_profiles(profiles)
+        microbatch_costs = {**measured, **(microbatch_costs or {})}
+        smallest_m = min(measured)
+        if forward is None or backward is None:
+            forward = [smallest_m * c for c in measured[smallest_m][0]]
+            backward = [smallest_m * c for c in measured[smallest_m][1]]
+        if microbatches is None:
+            divisors = [m for m in divisors if m in measured]
+        n_layers = len(forward)
+        if memory_budget is None and activation_bytes is None:
+            activation_bytes = input_bytes = param_bytes = [0.0] * n_layers
+            memory_budget = float("inf")
     if costs is not None:
         if device is None:
             raise ValueError("plan(costs) needs the device the costs run on: device=gp.DEVICES"
@@ -174,15 +206,16 @@ def plan(
                          "input_bytes, param_bytes and memory_budget")
     n = len(forward)
     microbatch_costs = dict(microbatch_costs or {})
-    for m, (f, b) in microbatch_costs.items():
+    for m, (f, b, *_) in microbatch_costs.items():
         if len(f) != n or len(b) != n:
             raise ValueError(f"microbatch_costs[{m}] has {len(f)} forward and {len(b)} backward "
                              f"costs for {n} layers; give one per layer")
     if not (len(backward) == len(activation_bytes) == len(input_bytes) == len(param_bytes) == n):
         raise ValueError("give forward, backward, activation_bytes, input_bytes and param_bytes "
                          "for every layer (equal lengths)")
-    if backward_weight is not None and len(backward_weight) != n:
-        raise ValueError(f"backward_weight has {len(backward_weight)} values for {n} layers")
+    for name, values in (("backward_weight", backward_weight), ("backward_input", backward_input)):
+        if values is not None and len(values) != n:
+            raise ValueError(f"{name} has {len(values)} values for {n} layers")
     plans: list[Plan] = []
     smallest = float("inf")
     for k in counts:
@@ -194,7 +227,7 @@ def plan(
                     param_bytes=param_bytes, divisors=divisors, memory_budget=memory_budget,
                     per_action_overhead=per_action_overhead, transfer=transfer,
                     microbatch_costs=microbatch_costs, backward_weight=backward_weight,
-                    checkpoints=checkpoints, stage_kept=stage_kept,
+                    backward_input=backward_input, checkpoints=checkpoints, stage_kept=stage_kept,
                     boundary_bytes=boundary_bytes, device=device)
                 plans += found
                 smallest = min(smallest, least)
@@ -266,8 +299,9 @@ def _plans_for(
     memory_budget: float,
     per_action_overhead: float,
     transfer: float,
-    microbatch_costs: Mapping[int, tuple[Sequence[float], Sequence[float]]],
+    microbatch_costs: Mapping[int, MicrobatchCosts],
     backward_weight: Sequence[float] | None,
+    backward_input: Sequence[float] | None,
     checkpoints: Sequence[str],
     stage_kept: Callable[[int, int], float] | None,
     boundary_bytes: Sequence[float] | None,
@@ -286,20 +320,28 @@ def _plans_for(
 
     plans = []
     smallest = float("inf")
+    def share(part: Sequence[float] | None, bwd: Sequence[float]) -> list[float] | None:
+        """A half of each stage's backward when split: its whole-batch share of the stage."""
+        if part is None:
+            return None
+        return [cost * (per_stage(part, a, b) / per_stage(backward, a, b)
+                        if per_stage(backward, a, b) > 0 else 0.5)
+                for cost, (a, b) in zip(bwd, stages, strict=True)]
+
     for m in divisors:
         if m in microbatch_costs:
-            f_m, b_m = microbatch_costs[m]
+            f_m, b_m, *halves = microbatch_costs[m]
             fwd = [per_stage(f_m, a, b) for a, b in stages]
             bwd = [per_stage(b_m, a, b) for a, b in stages]
+            i_m, w_m = (list(halves) + [None, None])[:2]
+            inp = None if i_m is None else [per_stage(i_m, a, b) for a, b in stages]
+            wgt = None if w_m is None else [per_stage(w_m, a, b) for a, b in stages]
+            if inp is None and wgt is None:
+                inp, wgt = share(backward_input, bwd), share(backward_weight, bwd)
         else:
             fwd = [per_stage(forward, a, b) / m + per_action_overhead for a, b in stages]
             bwd = [per_stage(backward, a, b) / m + per_action_overhead for a, b in stages]
-        # W's share of each backward when split: the whole-batch costs' share of the stage.
-        wgt = None if backward_weight is None else [
-            cost * (per_stage(backward_weight, a, b) / per_stage(backward, a, b)
-                    if per_stage(backward, a, b) > 0 else 0.5)
-            for cost, (a, b) in zip(bwd, stages, strict=True)
-        ]
+            inp, wgt = share(backward_input, bwd), share(backward_weight, bwd)
         acts = [(stage_kept(a, b) if stage_kept is not None
                  else per_stage(activation_bytes, a, b)) / m for a, b in stages]
         inputs = [input_bytes[a] / m for a, _ in stages]
@@ -314,7 +356,8 @@ def _plans_for(
             continue
         on_rank = [actions.stages_on(r) for r in range(k)]
         for checkpoint in checkpoints:
-            sim = simulate(actions, fwd, bwd, backward_weight=wgt, transfer=links,
+            sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
+                           transfer=links,
                            checkpoint=checkpoint, activation_bytes=acts, input_bytes=inputs)
             # Re-materializing needs one micro-batch's full activations during backward
             # (a split backward's I keeps them until W; the simulation counts that).
@@ -328,3 +371,25 @@ def _plans_for(
                 plans.append(Plan(num_stages, m, checkpoint, balance, sim.step_time,
                                   sim.bubble_fraction, peak, name, k, held, kept))
     return plans, smallest
+
+
+def _from_profiles(profiles: Sequence[StageProfile]) -> dict[int, MicrobatchCosts]:
+    """Per M, the per-layer costs the profiles of that M give: forward and B from a fused
+    schedule's profile (else I + W), I and W from a split one's."""
+    by_m: dict[int, list[StageProfile]] = {}
+    for profile in profiles:
+        by_m.setdefault(profile.num_microbatches, []).append(profile)
+    result: dict[int, MicrobatchCosts] = {}
+    for m, group in sorted(by_m.items()):
+        fused = [p for p in group if p.backward_input is None]
+        split = [p for p in group if p.backward_input is not None]
+        base = fused[0] if fused else split[0]
+        halves = split[0] if split else None
+        result[m] = (base.forward, base.backward,
+                     halves.backward_input if halves else None,
+                     halves.backward_weight if halves else None)
+    lengths = {len(p.forward) for p in profiles}
+    if len(lengths) != 1:
+        raise ValueError(f"profiles have {sorted(lengths)} stages; give per-layer profiles of "
+                         "one model (balance=[1] * len(model)), one stage per layer")
+    return result

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .events import TimelineEvent
 from .remat import checkpoint_stop
 from .schedule import Schedule
+
+if TYPE_CHECKING:
+    from .profile import StageProfile
 
 __all__ = ["Simulation", "simulate"]
 
@@ -37,13 +41,13 @@ class Simulation:
 
 def simulate(
     schedule: Schedule,
-    forward: Sequence[float],
+    forward: Sequence[float] | StageProfile,
     backward: Sequence[float] | None = None,
     *,
     backward_input: Sequence[float] | None = None,
     backward_weight: Sequence[float] | None = None,
-    transfer: float | Sequence[float] = 0.0,
-    checkpoint: str = "never",
+    transfer: float | Sequence[float] | None = None,
+    checkpoint: str | None = None,
     recompute: Sequence[float] | None = None,
     forward_no_grad: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
@@ -54,6 +58,11 @@ def simulate(
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
     runs one action at a time (with virtual stages, several stages' actions in its row's order).
+
+    ``forward`` may be a :class:`~gpipe_core.profile.StageProfile` (what
+    :func:`~gpipe_core.profile.profile_stages` measured): its costs, transfer times and
+    re-materialization mode are then the defaults of every cost argument and ``checkpoint``;
+    an argument given beside it replaces the profile's.
 
     Backward costs: ``backward[s]`` is a whole backward (B); ``backward_input[s]`` (I) and
     ``backward_weight[s]`` (W) are its two halves in a split schedule. Give ``backward``, or
@@ -78,9 +87,24 @@ def simulate(
     included (a re-materialized backward's recomputed activations are in it). Without
     ``working_bytes`` the peak is taken between actions only.
     """
+    if isinstance(forward, Sequence):
+        forward_costs: Sequence[float] = forward
+    else:  # a StageProfile
+        measured = forward.simulate_kwargs()
+        forward_costs = measured["forward"]
+        if backward is None and backward_input is None and backward_weight is None:
+            backward = measured["backward"]
+            backward_input = measured.get("backward_input")
+            backward_weight = measured.get("backward_weight")
+        transfer = measured["transfer"] if transfer is None else transfer
+        recompute = measured["recompute"] if recompute is None else recompute
+        forward_no_grad = measured["forward_no_grad"] if forward_no_grad is None else forward_no_grad
+        checkpoint = measured["checkpoint"] if checkpoint is None else checkpoint
+    transfer = 0.0 if transfer is None else transfer
+    checkpoint = "never" if checkpoint is None else checkpoint
     k, m = schedule.num_stages, schedule.num_microbatches
     ranks, placement = schedule.num_ranks, schedule.placement
-    for name, values in (("forward", forward), ("backward", backward),
+    for name, values in (("forward", forward_costs), ("backward", backward),
                          ("backward_input", backward_input), ("backward_weight", backward_weight),
                          ("recompute", recompute), ("forward_no_grad", forward_no_grad)):
         if values is not None and len(values) != k:
@@ -90,7 +114,7 @@ def simulate(
                          ("working_bytes", working_bytes)):
         if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} sizes for {k} stages; give one per stage")
-    costs = {"F": list(forward), **_backward_costs(backward, backward_input, backward_weight)}
+    costs = {"F": list(forward_costs), **_backward_costs(backward, backward_input, backward_weight)}
     if isinstance(transfer, (int, float)):
         links = [float(transfer)] * max(k - 1, 0)
     else:
@@ -99,8 +123,8 @@ def simulate(
             raise ValueError(f"transfer has {len(links)} values for {k - 1} boundaries between "
                              f"{k} stages; give one per boundary or a single number")
     links = [0.0 if placement[s] == placement[s + 1] else t for s, t in enumerate(links)]
-    rerun = list(forward) if recompute is None else list(recompute)
-    first_pass = list(forward) if forward_no_grad is None else list(forward_no_grad)
+    rerun = list(forward_costs) if recompute is None else list(recompute)
+    first_pass = list(forward_costs) if forward_no_grad is None else list(forward_no_grad)
     stop = checkpoint_stop(checkpoint, m)
     finish: dict[tuple[int, str, int], float] = {}
     free = [0.0] * ranks

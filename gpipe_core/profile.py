@@ -1,0 +1,329 @@
+"""Measuring the per-stage costs :func:`~gpipe_core.simulate.simulate` and
+:func:`~gpipe_core.plan.plan` take, by replaying each rank's own actions.
+
+:func:`profile_stages` cuts an ``nn.Sequential`` by ``balance`` into the same
+:class:`~gpipe_core.stage.Stage` objects the pipelines run, captures every message a step
+sends (each stage's input and the gradient of its output, per micro-batch) from one step run
+stage by stage, and then replays each rank's row of the schedule through the runtime the
+pipelines use (:class:`~gpipe_core.runtime.StageRuntime`), over a transport that hands each
+receive its captured message at once and drops the sends. Each action is timed as it runs in
+the order the rank runs it: a forward between the backwards of other micro-batches finds the
+caches as the pipeline leaves them, re-materialized micro-batches run without autograd and
+recompute in their backward, a split backward's I and W each pay what they cost, and the
+runtime's own per-action work is inside. What a replay leaves out is the waiting for
+neighbours (the simulator's part) and the transfers (give ``transfer``: seconds per boundary,
+measured with a ping-pong on your links).
+
+    profile = gp.profile_stages(model, [3, 3], inputs, targets, loss_fn=loss_fn,
+                                schedule="1f1b", chunks=8)
+    prediction = gp.simulate(gp.get_schedule("1f1b", 2, 8), profile)
+
+One stage per layer (``balance=[1] * len(model)``) profiles every layer; such a profile per M
+is what :func:`~gpipe_core.plan.plan` takes as ``profiles``. The module's parameters,
+gradients and buffers (BatchNorm's running statistics) are as they were after profiling.
+Under ``torchrun``, each rank may replay only its own row (``ranks=[rank]``) at the same
+time as the others, so that cores and memory are shared as in the pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .microbatch import flatten, scatter, unflatten
+from .partition import split_module
+from .remat import check_pipeline_args, checkpoint_stop
+from .runtime import StageRuntime, StepState
+from .schedule import Action, Schedule, get_schedule
+from .stage import Stage
+from .transport import Grads, Transport
+
+__all__ = ["StageProfile", "profile_stages"]
+
+# Steps the replay runs under: far from a training run's, so per-layer seeds never repeat one.
+_FIRST_STEP = 1 << 40
+
+
+@dataclass
+class StageProfile:
+    """Measured seconds of one micro-batch's actions, per stage (medians over rounds of the
+    mean over a round's micro-batches). ``backward`` is a fused B; in a profile of a schedule
+    that splits the backward it is ``backward_input + backward_weight`` (what a fused B of
+    that stage would cost is then not measured), and in one of a fused schedule the two halves
+    are ``None``. ``recompute``: what re-materialization adds to a backward (B or I);
+    ``forward_no_grad``: the forward of a re-materialized micro-batch (without autograd).
+    With ``checkpoint="always"`` a forward with autograd never runs: ``forward`` is then the
+    one without, and ``backward`` includes the recomputation (``recompute`` 0)."""
+
+    schedule: str
+    num_microbatches: int
+    checkpoint: str
+    forward: list[float]
+    backward: list[float]
+    forward_no_grad: list[float]
+    recompute: list[float]
+    backward_input: list[float] | None = None
+    backward_weight: list[float] | None = None
+    transfer: list[float] = field(default_factory=list)  # seconds per boundary s -> s+1
+    rounds: int = 0
+    # per stage and action kind ("F", "F_remat", "B", "B_remat", "I", "I_remat", "W"): the
+    # round means the medians come from
+    samples: list[dict[str, list[float]]] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    def simulate_kwargs(self) -> dict[str, Any]:
+        """The arguments of :func:`~gpipe_core.simulate.simulate` this profile gives."""
+        kwargs: dict[str, Any] = {
+            "forward": self.forward, "backward": self.backward,
+            "forward_no_grad": self.forward_no_grad, "recompute": self.recompute,
+            "transfer": self.transfer if self.transfer else 0.0,
+            "checkpoint": self.checkpoint,
+        }
+        if self.backward_input is not None and self.backward_weight is not None:
+            kwargs["backward_input"] = self.backward_input
+            kwargs["backward_weight"] = self.backward_weight
+        return kwargs
+
+
+class _ReplayTransport(Transport):
+    """A stage's captured messages: each receive returns the one of its micro-batch at once;
+    sends go nowhere."""
+
+    def __init__(self, activations: dict[int, Any], gradients: dict[int, Grads]) -> None:
+        self.activations = activations
+        self.gradients = gradients
+
+    def send_activation(self, mb: int, payload: Any) -> None:
+        pass
+
+    def recv_activation(self, mb: int) -> Any:
+        return self.activations[mb]
+
+    def send_gradient(self, mb: int, grads: Grads, *, carry: float = math.nan) -> None:
+        pass
+
+    def recv_gradient(self, mb: int) -> Grads:
+        return list(self.gradients[mb])
+
+    def carried(self) -> float:
+        return math.nan
+
+
+def profile_stages(
+    module: nn.Sequential,
+    balance: Sequence[int],
+    inputs: Any,
+    targets: Any = None,
+    *,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    schedule: str | Schedule = "gpipe",
+    chunks: int = 1,
+    checkpoint: str = "never",
+    rounds: int = 5,
+    warmup: int = 1,
+    ranks: Sequence[int] | None = None,
+    transfer: float | Sequence[float] = 0.0,
+    num_ranks: int | None = None,
+) -> StageProfile:
+    """Time every action of ``schedule`` (a name or a :class:`~gpipe_core.schedule.Schedule`
+    for ``len(balance)`` stages and ``chunks`` micro-batches) as each rank runs it, alone.
+
+    ``inputs``/``targets``: one mini-batch, split into ``chunks`` micro-batches as the
+    pipelines split it. ``loss_fn(output, target)`` ends the last stage (a micro-batch's
+    loss); without it the last stage's output gradient is all ones (the gradient of the sum).
+    ``rounds`` timed replays after ``warmup`` untimed ones. ``ranks``: the ranks whose rows
+    to replay (default all, one after the other); stages on other ranks get no costs (NaN).
+    ``transfer``: seconds per boundary (one number or one per boundary), recorded for the
+    simulation. ``num_ranks``: devices for a schedule given by name with virtual stages.
+    """
+    check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds={rounds} and warmup={warmup}: give rounds >= 1, warmup >= 0")
+    partitions = split_module(module, balance)
+    num_stages = len(partitions)
+    micro_inputs = scatter(inputs, chunks)
+    m = len(micro_inputs)
+    micro_targets = scatter(targets, chunks) if targets is not None else [None] * m
+    if isinstance(schedule, Schedule):
+        plan = schedule
+        if (plan.num_stages, plan.num_microbatches) != (num_stages, m):
+            raise ValueError(
+                f"the schedule is for {plan.num_stages} stages and {plan.num_microbatches} "
+                f"micro-batches; the profile has {num_stages} stages (balance={list(balance)}) "
+                f"and {m} micro-batches (chunks={chunks}, batch of {_batch_size(inputs)})")
+        name = plan.name
+    else:
+        plan = get_schedule(schedule, num_stages, m, num_ranks=num_ranks)
+        name = schedule
+    wanted = list(range(plan.num_ranks)) if ranks is None else list(ranks)
+    bad = [r for r in wanted if not 0 <= r < plan.num_ranks]
+    if bad:
+        raise ValueError(f"ranks {bad} are not ranks of the schedule (0..{plan.num_ranks - 1})")
+    links = _links(transfer, num_stages)
+    device = _module_device(module)
+    stages = []
+    first = 0
+    for index, partition in enumerate(partitions):
+        stages.append(Stage(partition, stage_index=index, num_stages=num_stages,
+                            first_layer_index=first, device=device, checkpoint=checkpoint,
+                            seed=0, loss_fn=loss_fn if index == num_stages - 1 else None))
+        first += len(partition)
+    params = [p for p in module.parameters()]
+    grads = [p.grad for p in params]  # set aside: the replay's gradients go to new tensors
+    buffers = [b.detach().clone() for b in module.buffers()]
+    for p in params:
+        p.grad = None
+    try:
+        activations, gradients = _capture(stages, micro_inputs, micro_targets)
+        times: list[dict[str, list[float]]] = [{} for _ in range(num_stages)]
+        stop = checkpoint_stop(checkpoint, m)
+        for round_index in range(warmup + rounds):
+            step = _FIRST_STEP + round_index
+            for r in wanted:
+                events = _replay(plan, r, stages, activations, gradients, micro_inputs,
+                                 micro_targets, step)
+                if round_index < warmup:
+                    continue
+                per_kind: dict[tuple[int, str], list[float]] = {}
+                for stage_index, kind, mb, seconds in events:
+                    key = kind + ("_remat" if mb < stop and kind != "W" else "")
+                    per_kind.setdefault((stage_index, key), []).append(seconds)
+                for (stage_index, key), values in per_kind.items():
+                    times[stage_index].setdefault(key, []).append(statistics.fmean(values))
+    finally:
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            for b, saved in zip(module.buffers(), buffers, strict=True):
+                b.copy_(saved)
+    return _summarise(name, m, checkpoint, times, links, rounds)
+
+
+def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
+             ) -> tuple[list[dict[int, Any]], list[dict[int, Grads]]]:
+    """One step stage by stage: what each stage receives, per micro-batch (its input, and
+    the gradient of its output)."""
+    step = _FIRST_STEP - 1
+    m = len(inputs)
+    for stage in stages:
+        stage.begin_step(step, m)
+    activations: list[dict[int, Any]] = [{} for _ in stages]
+    gradients: list[dict[int, Grads]] = [{} for _ in stages]
+    for mb in range(m):
+        x = inputs[mb]
+        for stage in stages:
+            activations[stage.stage_index][mb] = _detached(x)
+            x = stage.forward(step, mb, x, targets[mb] if stage.is_last else None)
+        grad: Grads | None = None if stages[-1].loss_fn is not None else [
+            torch.ones_like(t) if isinstance(t, Tensor) and t.is_floating_point() else None
+            for t in flatten(x)[0]]
+        if grad is not None:
+            gradients[-1][mb] = grad
+        for stage in reversed(stages):
+            grad = [None if g is None else g.detach() for g in stage.backward(step, mb, grad)]
+            if not stage.is_first:
+                gradients[stage.stage_index - 1][mb] = grad
+    for stage in stages:
+        stage.discard(step)
+    return activations, gradients
+
+
+def _replay(plan: Schedule, rank: int, stages: list[Stage], activations: list[dict[int, Any]],
+            gradients: list[dict[int, Grads]], inputs: list[Any], targets: list[Any],
+            step: int) -> list[tuple[int, str, int, float]]:
+    """Run rank ``rank``'s row of ``plan``; each action's stage, kind, micro-batch, seconds."""
+    state = StepState(step, len(inputs), inputs=list(inputs),
+                      targets=list(targets) if stages[-1].loss_fn is not None else [],
+                      keep_outputs=False)
+    runtimes = {s: StageRuntime(stages[s], _ReplayTransport(activations[s], gradients[s]),
+                                record=True)
+                for s in plan.stages_on(rank)}
+    if stages[-1].loss_fn is None and stages[-1].stage_index in runtimes:
+        state.output_grads = {mb: list(g) for mb, g in gradients[-1].items()}
+    for runtime in runtimes.values():
+        runtime.begin_step(state)
+    for action in plan.actions[rank]:
+        runtimes[action.stage].run_action(action, state)
+    for s in runtimes:
+        stages[s].discard(step)
+    actions = [(Action.parse(e.action), e.end - e.start)
+               for runtime in runtimes.values() for e in runtime.timeline]
+    return [(a.stage, a.kind, a.mb, seconds) for a, seconds in actions]
+
+
+def _summarise(name: str, m: int, checkpoint: str, times: list[dict[str, list[float]]],
+               links: list[float], rounds: int) -> StageProfile:
+    def median(stage: dict[str, list[float]], key: str) -> float | None:
+        values = stage.get(key)
+        return statistics.median(values) if values else None
+
+    nan = math.nan
+    forward, backward, no_grad, recompute = [], [], [], []
+    inputs: list[float] = []
+    weights: list[float] = []
+    split = any("I" in t or "I_remat" in t for t in times)
+    for stage in times:
+        f, f_remat = median(stage, "F"), median(stage, "F_remat")
+        fused = "B" if not split else "I"
+        b, b_remat = median(stage, fused), median(stage, fused + "_remat")
+        w = median(stage, "W")
+        forward.append(_first(f, f_remat, nan))
+        no_grad.append(_first(f_remat, f, nan))
+        backward_one = _first(b, b_remat, nan)
+        if b is not None and b_remat is not None:  # both ran: the difference is the rerun
+            recompute.append(b_remat - b)
+        elif b_remat is not None:  # every micro-batch re-materialized: B includes the rerun
+            recompute.append(0.0)
+        else:  # none re-materialized: a rerun would be a forward with autograd
+            recompute.append(forward[-1])
+        if split:
+            inputs.append(backward_one)
+            weights.append(_first(w, nan))
+            backward.append(backward_one + _first(w, nan))
+        else:
+            backward.append(backward_one)
+    return StageProfile(
+        schedule=name, num_microbatches=m, checkpoint=checkpoint, forward=forward,
+        backward=backward, forward_no_grad=no_grad, recompute=[max(r, 0.0) for r in recompute],
+        backward_input=inputs if split else None, backward_weight=weights if split else None,
+        transfer=links, rounds=rounds, samples=times)
+
+
+def _first(*values: float | None) -> float:
+    return next(v for v in values if v is not None)
+
+
+def _links(transfer: float | Sequence[float], num_stages: int) -> list[float]:
+    if isinstance(transfer, (int, float)):
+        return [float(transfer)] * (num_stages - 1)
+    links = [float(t) for t in transfer]
+    if len(links) != num_stages - 1:
+        raise ValueError(f"transfer has {len(links)} values for {num_stages - 1} boundaries; "
+                         "give one per boundary or a single number")
+    return links
+
+
+def _detached(value: Any) -> Any:
+    leaves, spec = flatten(value)
+    return unflatten([x.detach().requires_grad_(x.requires_grad) if isinstance(x, Tensor)
+                      else x for x in leaves], spec)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for tensor in [*module.parameters(), *module.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _batch_size(inputs: Any) -> int:
+    leaves = [x for x in flatten(inputs)[0] if isinstance(x, Tensor)]
+    return int(leaves[0].shape[0]) if leaves else 0

@@ -1,0 +1,165 @@
+"""gp.profile_stages: replaying each rank's actions to measure what gp.simulate and gp.plan take."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import gpipe_core as gp
+
+SLEEP_F = 0.02  # seconds a Sleep layer's forward takes, at least
+SLEEP_B = 0.03  # and its backward
+
+
+class _SleepyIdentity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[no-untyped-def,override]
+        time.sleep(SLEEP_F)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[no-untyped-def,override]
+        time.sleep(SLEEP_B)
+        return grad
+
+
+class Sleep(nn.Module):
+    """An identity with a known least cost: a forward of SLEEP_F, a backward of SLEEP_B."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.is_grad_enabled():
+            return _SleepyIdentity.apply(x)  # type: ignore[no-any-return]
+        time.sleep(SLEEP_F)
+        return x.clone()
+
+
+def model_and_batch() -> tuple[nn.Sequential, Tensor, Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                          Sleep(), nn.Linear(16, 3))
+    return model, torch.randn(16, 8), torch.randint(0, 3, (16,))
+
+
+def test_every_stage_gets_a_cost_at_least_its_known_work() -> None:
+    model, x, y = model_and_batch()
+    profile = gp.profile_stages(model, [3, 3], x, y, loss_fn=nn.functional.cross_entropy,
+                                schedule="1f1b", chunks=4, rounds=2)
+    assert (profile.schedule, profile.num_microbatches, profile.num_stages) == ("1f1b", 4, 2)
+    assert all(0 < c < math.inf for c in profile.forward + profile.backward)
+    # Stage 1 holds the Sleep layer: each of its forwards and backwards takes at least that.
+    assert profile.forward[1] >= SLEEP_F and profile.backward[1] >= SLEEP_B
+    assert profile.backward_input is None and profile.backward_weight is None
+    assert profile.transfer == [0.0] and profile.rounds == 2
+    assert all(len(profile.samples[s]["F"]) == 2 for s in range(2))
+
+
+def test_profiling_leaves_parameters_gradients_and_running_statistics_as_they_were() -> None:
+    model, x, y = model_and_batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    gp.profile_stages(model, [2, 4], x, y, loss_fn=nn.functional.cross_entropy,
+                      schedule="zb_h1", chunks=4, checkpoint="except_last", rounds=1)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+def test_rematerialized_microbatches_recompute_in_backward() -> None:
+    model, x, y = model_and_batch()
+    always = gp.profile_stages(model, [4, 2], x, y, loss_fn=nn.functional.cross_entropy,
+                               chunks=2, checkpoint="always", rounds=1, warmup=0)
+    # Stage 1 (Sleep first): no forward with autograd runs; its backward reruns the forward.
+    assert always.forward_no_grad[1] >= SLEEP_F and always.forward[1] == always.forward_no_grad[1]
+    assert always.backward[1] >= SLEEP_F + SLEEP_B and always.recompute == [0.0, 0.0]
+    mixed = gp.profile_stages(model, [4, 2], x, y, loss_fn=nn.functional.cross_entropy,
+                              chunks=2, checkpoint="except_last", rounds=1, warmup=0)
+    assert set(mixed.samples[1]) == {"F", "F_remat", "B", "B_remat"}
+    assert mixed.recompute[1] == pytest.approx(
+        mixed.samples[1]["B_remat"][0] - mixed.samples[1]["B"][0])
+
+
+def test_a_split_schedule_measures_both_halves() -> None:
+    model, x, y = model_and_batch()
+    profile = gp.profile_stages(model, [3, 3], x, y, loss_fn=nn.functional.cross_entropy,
+                                schedule="zb_h1", chunks=4, rounds=1)
+    assert profile.backward_input is not None and profile.backward_weight is not None
+    assert profile.backward_input[1] >= SLEEP_B  # Sleep's backward is on the input path
+    assert profile.backward == [i + w for i, w in zip(profile.backward_input,
+                                                      profile.backward_weight, strict=True)]
+
+
+def test_simulate_takes_a_profile_as_its_costs() -> None:
+    model, x, y = model_and_batch()
+    profile = gp.profile_stages(model, [3, 3], x, y, loss_fn=nn.functional.cross_entropy,
+                                schedule="zb_h1", chunks=4, checkpoint="except_last",
+                                rounds=1, transfer=0.001)
+    schedule = gp.get_schedule("zb_h1", 2, 4)
+    direct = gp.simulate(schedule, profile)
+    spelled = gp.simulate(schedule, profile.forward, profile.backward,
+                          backward_input=profile.backward_input,
+                          backward_weight=profile.backward_weight, transfer=[0.001],
+                          checkpoint="except_last", recompute=profile.recompute,
+                          forward_no_grad=profile.forward_no_grad)
+    assert direct.step_time == spelled.step_time and direct.events == spelled.events
+    # An argument beside the profile replaces the profile's.
+    never = gp.simulate(schedule, profile, checkpoint="never")
+    assert never.step_time == gp.simulate(schedule, profile.forward, profile.backward,
+                                          backward_input=profile.backward_input,
+                                          backward_weight=profile.backward_weight,
+                                          transfer=[0.001]).step_time
+
+
+def test_without_a_loss_the_last_stage_backpropagates_ones_and_ranks_can_be_chosen() -> None:
+    model, x, _ = model_and_batch()
+    profile = gp.profile_stages(model, [3, 3], x, schedule="1f1b", chunks=4, rounds=1,
+                                ranks=[1])
+    assert math.isnan(profile.forward[0]) and profile.forward[1] >= SLEEP_F
+    assert profile.backward[1] >= SLEEP_B
+
+
+def test_bad_arguments_say_what_to_change() -> None:
+    model, x, y = model_and_batch()
+    with pytest.raises(ValueError, match="schedule is for 2 stages and 8 micro-batches; the "
+                                         "profile has 2 stages .* and 4 micro-batches"):
+        gp.profile_stages(model, [3, 3], x, y, schedule=gp.gpipe(2, 8), chunks=4)
+    with pytest.raises(ValueError, match="rounds=0"):
+        gp.profile_stages(model, [3, 3], x, y, rounds=0)
+    with pytest.raises(ValueError, match=r"ranks \[2\] are not ranks of the schedule \(0..1\)"):
+        gp.profile_stages(model, [3, 3], x, y, ranks=[2])
+    with pytest.raises(ValueError, match="transfer has 2 values for 1 boundaries"):
+        gp.profile_stages(model, [3, 3], x, y, transfer=[0.1, 0.2])
+
+
+def test_per_layer_profiles_plan_and_a_costly_split_is_not_chosen() -> None:
+    model, x, y = model_and_batch()
+    layers = len(model)
+    profiles = [gp.profile_stages(model, [1] * layers, x, y, loss_fn=nn.functional.cross_entropy,
+                                  schedule=name, chunks=m, rounds=1)
+                for m in (2, 4) for name in ("gpipe", "zb_h1")]
+    plans = gp.plan(profiles=profiles, batch_size=16, stages=[2], schedule=["1f1b", "zb_h1"],
+                    checkpoints=["never"])
+    assert {p.num_microbatches for p in plans} == {2, 4}  # the profiled M only
+    assert all(p.num_stages == 2 and p.peak_bytes == 0 for p in plans)
+
+
+def split_costs(split_overhead: float) -> dict[str, object]:
+    """Eight equal layers whose I + W costs ``split_overhead`` times their fused B."""
+    layers = 8
+    return dict(forward=[1.0] * layers, backward=[2.0] * layers,
+                backward_input=[1.0 * split_overhead] * layers,
+                backward_weight=[1.0 * split_overhead] * layers,
+                activation_bytes=[1.0] * layers, input_bytes=[1.0] * layers,
+                param_bytes=[1.0] * layers, batch_size=8, stages=[2], microbatches=[8],
+                checkpoints=["never"], memory_budget=1e9, schedule=["1f1b", "zb_h1"])
+
+
+def test_the_planner_chooses_a_split_schedule_only_where_its_measured_halves_pay() -> None:
+    # At K=2, M=8 ZB-H1 saves at most a unit-time bubble of about 1/(M+1) of the step; I + W
+    # costing 1.5x B loses far more than that, and costing B exactly loses nothing.
+    assert gp.plan(**split_costs(1.0))[0].schedule == "zb_h1"  # type: ignore[arg-type]
+    assert gp.plan(**split_costs(1.5))[0].schedule == "1f1b"  # type: ignore[arg-type]
