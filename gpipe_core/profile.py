@@ -6,7 +6,9 @@
 sends (each stage's input and the gradient of its output, per micro-batch) from one step run
 stage by stage, and then replays each rank's row of the schedule through the runtime the
 pipelines use (:class:`~gpipe_core.runtime.StageRuntime`), over a transport that hands each
-receive its captured message at once and drops the sends. Each action is timed as it runs in
+receive its captured message at once and drops the sends (a message between two ranks is
+packed and unpacked as :class:`~gpipe_core.DistributedGPipe`'s transport does, so those copies
+count; the single-process ``GPipe`` makes none). Each action is timed as it runs in
 the order the rank runs it: a forward between the backwards of other micro-batches finds the
 caches as the pipeline leaves them, re-materialized micro-batches run without autograd and
 recompute in their backward, a split backward's I and W each pay what they cost, and the
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import wire
 from .microbatch import flatten, scatter, unflatten
 from .partition import split_module
 from .remat import check_pipeline_args, checkpoint_stop
@@ -95,24 +98,43 @@ class StageProfile:
 
 
 class _ReplayTransport(Transport):
-    """A stage's captured messages: each receive returns the one of its micro-batch at once;
-    sends go nowhere."""
+    """A stage's captured messages: each receive gets its micro-batch's message at once. A
+    message between two ranks is unpacked from a fresh copy of its packed buffer, and each
+    send to another rank is packed and dropped: the copies the distributed transport makes on
+    the compute thread are in the costs, the network is not. Between two stages of one rank
+    (virtual stages) messages pass as they are, as they do there."""
 
-    def __init__(self, activations: dict[int, Any], gradients: dict[int, Grads]) -> None:
+    def __init__(self, activations: dict[int, Any], gradients: dict[int, Any], *,
+                 device: torch.device, packed_in: tuple[bool, bool],
+                 pack_out: tuple[bool, bool]) -> None:
         self.activations = activations
         self.gradients = gradients
+        self.device = device
+        self.packed_in = packed_in  # (activations, gradients) arrive packed
+        self.pack_out = pack_out  # (activations, gradients) leave packed
+
+    def _receive(self, message: Any, packed: bool) -> Any:
+        if not packed:
+            return message
+        buffer = message.clone()  # the distributed transport receives into a new buffer
+        payload, _ = wire.unpack(buffer, wire.read_header(buffer))
+        return payload
+
+    def _send(self, payload: Any, pack: bool) -> None:
+        if pack:
+            wire.pack(payload, step=0, num_microbatches=1, device=self.device)
 
     def send_activation(self, mb: int, payload: Any) -> None:
-        pass
+        self._send(payload, self.pack_out[0])
 
     def recv_activation(self, mb: int) -> Any:
-        return self.activations[mb]
+        return self._receive(self.activations[mb], self.packed_in[0])
 
     def send_gradient(self, mb: int, grads: Grads, *, carry: float = math.nan) -> None:
-        pass
+        self._send(grads, self.pack_out[1])
 
     def recv_gradient(self, mb: int) -> Grads:
-        return list(self.gradients[mb])
+        return list(self._receive(self.gradients[mb], self.packed_in[1]))
 
     def carried(self) -> float:
         return math.nan
@@ -184,12 +206,24 @@ def profile_stages(
         p.grad = None
     try:
         activations, gradients = _capture(stages, micro_inputs, micro_targets)
+        crossing = [plan.placement[s] != plan.placement[s + 1] for s in range(num_stages - 1)]
+        for s in range(num_stages - 1):  # messages between two ranks travel packed
+            if crossing[s]:
+                activations[s + 1] = {mb: _packed(x, device) for mb, x in activations[s + 1].items()}
+                gradients[s] = {mb: _packed(g, device) for mb, g in gradients[s].items()}
+        transports = [
+            _ReplayTransport(activations[s], gradients[s], device=device,
+                             packed_in=(s > 0 and crossing[s - 1],
+                                        s < num_stages - 1 and crossing[s]),
+                             pack_out=(s < num_stages - 1 and crossing[s],
+                                       s > 0 and crossing[s - 1]))
+            for s in range(num_stages)]
         times: list[dict[str, list[float]]] = [{} for _ in range(num_stages)]
         stop = checkpoint_stop(checkpoint, m)
         for round_index in range(warmup + rounds):
             step = _FIRST_STEP + round_index
             for r in wanted:
-                events = _replay(plan, r, stages, activations, gradients, micro_inputs,
+                events = _replay(plan, r, stages, transports, gradients[-1], micro_inputs,
                                  micro_targets, step)
                 if round_index < warmup:
                     continue
@@ -209,7 +243,7 @@ def profile_stages(
 
 
 def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
-             ) -> tuple[list[dict[int, Any]], list[dict[int, Grads]]]:
+             ) -> tuple[list[dict[int, Any]], list[dict[int, Any]]]:
     """One step stage by stage: what each stage receives, per micro-batch (its input, and
     the gradient of its output)."""
     step = _FIRST_STEP - 1
@@ -217,7 +251,7 @@ def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
     for stage in stages:
         stage.begin_step(step, m)
     activations: list[dict[int, Any]] = [{} for _ in stages]
-    gradients: list[dict[int, Grads]] = [{} for _ in stages]
+    gradients: list[dict[int, Any]] = [{} for _ in stages]
     for mb in range(m):
         x = inputs[mb]
         for stage in stages:
@@ -237,18 +271,18 @@ def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
     return activations, gradients
 
 
-def _replay(plan: Schedule, rank: int, stages: list[Stage], activations: list[dict[int, Any]],
-            gradients: list[dict[int, Grads]], inputs: list[Any], targets: list[Any],
+def _replay(plan: Schedule, rank: int, stages: list[Stage], transports: list[_ReplayTransport],
+            last_grads: dict[int, Grads], inputs: list[Any], targets: list[Any],
             step: int) -> list[tuple[int, str, int, float]]:
-    """Run rank ``rank``'s row of ``plan``; each action's stage, kind, micro-batch, seconds."""
+    """Run rank ``rank``'s row of ``plan``; each action's stage, kind, micro-batch, seconds.
+    ``last_grads``: the last stage's output gradients (without a loss function)."""
     state = StepState(step, len(inputs), inputs=list(inputs),
                       targets=list(targets) if stages[-1].loss_fn is not None else [],
                       keep_outputs=False)
-    runtimes = {s: StageRuntime(stages[s], _ReplayTransport(activations[s], gradients[s]),
-                                record=True)
+    runtimes = {s: StageRuntime(stages[s], transports[s], record=True)
                 for s in plan.stages_on(rank)}
     if stages[-1].loss_fn is None and stages[-1].stage_index in runtimes:
-        state.output_grads = {mb: list(g) for mb, g in gradients[-1].items()}
+        state.output_grads = {mb: list(g) for mb, g in last_grads.items()}
     for runtime in runtimes.values():
         runtime.begin_step(state)
     for action in plan.actions[rank]:
@@ -296,6 +330,11 @@ def _summarise(name: str, m: int, checkpoint: str, times: list[dict[str, list[fl
         backward=backward, forward_no_grad=no_grad, recompute=[max(r, 0.0) for r in recompute],
         backward_input=inputs if split else None, backward_weight=weights if split else None,
         transfer=links, rounds=rounds, samples=times)
+
+
+def _packed(payload: Any, device: torch.device) -> Tensor:
+    buffer, _ = wire.pack(payload, step=0, num_microbatches=1, device=device)
+    return buffer
 
 
 def _first(*values: float | None) -> float:

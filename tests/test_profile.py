@@ -163,3 +163,12 @@ def test_the_planner_chooses_a_split_schedule_only_where_its_measured_halves_pay
     # costing 1.5x B loses far more than that, and costing B exactly loses nothing.
     assert gp.plan(**split_costs(1.0))[0].schedule == "zb_h1"  # type: ignore[arg-type]
     assert gp.plan(**split_costs(1.5))[0].schedule == "1f1b"  # type: ignore[arg-type]
+
+
+def test_virtual_stages_pass_messages_within_a_rank_unpacked() -> None:
+    model, x, y = model_and_batch()
+    profile = gp.profile_stages(model, [2, 1, 1, 2], x, y, loss_fn=nn.functional.cross_entropy,
+                                schedule="interleaved_1f1b", chunks=4, num_ranks=2, rounds=1)
+    assert all(0 < c < math.inf for c in profile.forward + profile.backward)
+    schedule = gp.get_schedule("interleaved_1f1b", 4, 4, num_ranks=2)
+    assert gp.simulate(schedule, profile).step_time > SLEEP_F + SLEEP_B
