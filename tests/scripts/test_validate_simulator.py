@@ -1,0 +1,82 @@
+"""scripts/validate_simulator.py: the report's arithmetic on hand-made runs, and both launches
+end to end on tiny models (their numbers are not checked: tiny layers measure Python overhead)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.validate_simulator import CONFIGS, compare, kendall_tau
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_kendall_tau_counts_concordant_and_discordant_pairs() -> None:
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def stage(forward: float, backward: float) -> dict[str, object]:
+    return {"forward": forward, "backward": backward, "forward_no_grad": forward,
+            "recompute": forward, "backward_input": None, "backward_weight": None,
+            "samples": {}}
+
+
+def hand_made() -> tuple[dict[str, object], dict[str, object]]:
+    """Two stages of forward 1 s and backward 2 s, no transfer: fill-drain at M micro-batches
+    of 1/M the work each takes (M + 1) * 3 / M seconds."""
+    profile = {"transfer_points": {"1000": 0.0, "2000": 0.0}, "boundary_bytes": 1000,
+               "profiles": [{"schedule": "gpipe", "checkpoint": "never", "M": m,
+                             "stages": [stage(1 / m, 2 / m), stage(1 / m, 2 / m)]}
+                            for m in (1, 2, 4)]}
+    measured = {"rows": [{"schedule": "gpipe", "checkpoint": "never", "M": m, "seconds": s,
+                          "samples": [s]} for m, s in ((1, 6.0), (2, 4.5 * 1.1), (4, 3.75 * 0.9))]}
+    return profile, measured
+
+
+def test_compare_reports_signed_errors_normalised_ratios_and_the_goals() -> None:
+    profile, measured = hand_made()
+    report = compare(profile, measured)
+    rows = {r["M"]: r for r in report["rows"]}
+    assert rows[1]["predicted_s"] == pytest.approx(6.0) and rows[1]["error"] == pytest.approx(0)
+    assert rows[2]["error"] == pytest.approx(1 / 1.1 - 1)  # measured 10% slower: too fast
+    assert rows[4]["error"] == pytest.approx(1 / 0.9 - 1)
+    assert rows[2]["normalised_measured"] == pytest.approx(6.0 / 4.95)
+    assert rows[2]["normalised_predicted"] == pytest.approx(6.0 / 4.5)
+    assert rows[2]["normalised_error"] == pytest.approx(0.1)
+    assert report["per_M"]["2"] == {"median_error": pytest.approx(1 / 1.1 - 1), "too_fast": 1,
+                                    "too_slow": 0}
+    summary = report["summary"]
+    assert summary["configurations"] == 3 and summary["kendall_tau"] == 1.0
+    assert summary["worst_abs_error"] == pytest.approx(1 / 0.9 - 1)
+    assert summary["goals_met"] is False  # the worst error is 11%, over the 10% goal
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_both_launches_write_their_json_and_the_report(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "validate_simulator.py"), "--tiny",
+         "--families", "encoder", "--microbatches", "1", "2", "--rounds", "1", "--warmup", "0",
+         "--pingpong-repeats", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=400, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    profile = json.loads((tmp_path / "encoder_profile.json").read_text())
+    measured = json.loads((tmp_path / "encoder_measured.json").read_text())
+    report = json.loads((tmp_path / "encoder_validation.json").read_text())
+    for run in (profile, measured):
+        assert {"commit", "torch", "utc", "load_average_before", "load_average_after"} <= set(
+            run["provenance"])
+    assert measured["balance"] == profile["balance"] == report["balance"]
+    keys = {(r["schedule"], r["checkpoint"], r["M"]) for r in report["rows"]}
+    assert keys == {(s, c, m) for m in (1, 2) for s, c in CONFIGS}
+    for row in report["rows"]:
+        assert row["measured_s"] > 0 and row["predicted_s"] > 0 and len(row["measured_samples"]) == 1
+    assert set(report["per_M"]) == {"1", "2"} and -1 <= report["summary"]["kendall_tau"] <= 1
+    assert "encoder: predicted (profile launch) against measured" in result.stdout
