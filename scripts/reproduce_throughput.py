@@ -185,6 +185,41 @@ def profile_layers(model: nn.Sequential, inputs: Any, targets: Any, loss_fn: Any
     return LayerCosts(forward_s, no_grad, backward)
 
 
+def microbatch_efficiency(model: nn.Sequential, inputs: Any, targets: Any, loss_fn: Any,
+                          microbatches: list[int], rounds: int) -> dict[int, float]:
+    """Per-sample efficiency of one micro-batch of N/M samples against the whole batch of N,
+    for each M: (forward + backward of the whole batch) / (M x that of one micro-batch), from
+    ``gp.profile_stages`` with the whole model as one stage (1.0: a micro-batch costs its share;
+    0.5: it costs twice its share). What fixed-K throughput loses with M on top of the bubble,
+    which the paper's accelerators did not lose at their batch sizes."""
+    seconds = {}
+    for m in sorted(set(microbatches) | {1}):
+        profile = gp.profile_stages(model, [len(model)], inputs, targets, loss_fn=loss_fn,
+                                    chunks=m, rounds=rounds)
+        seconds[m] = m * (profile.forward[0] + profile.backward[0])
+    return {m: seconds[1] / seconds[m] for m in sorted(set(microbatches))}
+
+
+def efficiency_worker(rank: int, world_size: int, args: argparse.Namespace) -> str:
+    """One pinned process: the micro-batch efficiency curve of each batch size asked for."""
+    family, size = _families(args)[args.family]
+    model = gp.materialize(family.build(size), seed=0)
+    curves = {}
+    for batch_size in args.efficiency_batches or [batch_size_of(family, args)]:
+        inputs, targets = family.batch(batch_size)
+        curves[batch_size] = microbatch_efficiency(model, inputs, targets, family.loss_fn,
+                                                   args.microbatches, args.profile_repeats)
+    return json.dumps({str(n): {str(m): e for m, e in c.items()} for n, c in curves.items()})
+
+
+def smallest_efficient_batch(curves: dict[int, dict[int, float]], largest_m: int,
+                             floor: float = 0.9) -> int | None:
+    """The smallest batch size whose micro-batch at ``largest_m`` keeps ``floor`` of the whole
+    batch's per-sample efficiency (None: none does)."""
+    fits = [n for n, curve in curves.items() if curve.get(largest_m, 0.0) >= floor]
+    return min(fits) if fits else None
+
+
 def mean_costs(per_rank: list[dict[Any, Any]], m: int) -> LayerCosts:
     """Each rank profiled every layer under the same load; a layer's cost is their mean."""
     costs = [LayerCosts(**(c[m] if m in c else c[str(m)])) for c in per_rank]
@@ -357,7 +392,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
     """One family's measurements on this rank; rank 0 returns the run as JSON text."""
     families = _families(args)
     family, size = families[args.family]
-    inputs, targets = family.batch(family.batch_size)
+    inputs, targets = family.batch(batch_size_of(family, args))
     plain = gp.materialize(family.build(size), seed=0)
 
     # 1. The balance from whole-batch layer costs, both ranks at once; transfer time.
@@ -453,7 +488,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
             "rows": rows, "balance": balance, "costs_per_rank": all_costs,
             "transfer_points": {str(k): v for k, v in all_transfer[0].items()},
             "layers": len(plain), "parameters": sum(p.numel() for p in plain.parameters()),
-            "size": size, "batch_size": family.batch_size})
+            "size": size, "batch_size": batch_size_of(family, args)})
     return None
 
 
@@ -461,7 +496,7 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
     """Predictions beside the measurements, and Table 2."""
     families = _families(args)
     _, size = families[args.family]
-    inputs, targets = family.batch(family.batch_size)
+    inputs, targets = family.batch(batch_size_of(family, args))
     real = gp.materialize(family.build(size), seed=0)  # tensor sizes, measured once per M
     memory: dict[int, list[StageMemory]] = {}
     transfer = fit_transfer({int(k): v for k, v in run["transfer_points"].items()})
@@ -529,10 +564,20 @@ def analyse(run: dict[str, Any], family: Family, args: argparse.Namespace) -> di
     # Table 2: the paper's setting (fill-drain, except_last), normalised to K=2, M=1.
     measured = {r["M"]: r["seconds"] for r in accuracy
                 if (r["schedule"], r["checkpoint"]) == CONFIGS[0]}
-    table2: dict[str, Any] = {"measured_K2": {}, "predicted": {}}
+    table2: dict[str, Any] = {"measured_K2": {}, "ideal_K2": {}, "bubble_only_efficiency_K2": {},
+                              "ideal_efficiency_K2": {}, "predicted": {}}
     base = measured.get(1)
     for m, seconds in measured.items():
         table2["measured_K2"][m] = base / seconds if base else None
+        # GPipe's ideal at K=2: M/(M+K-1) of the ranks busy, normalised to M=1 (which is 1/K)
+        table2["ideal_K2"][m] = (m / (m + K - 1)) / (1 / K)
+        table2["ideal_efficiency_K2"][m] = m / (m + K - 1)
+        row = next(r for r in accuracy if r["M"] == m
+                   and (r["schedule"], r["checkpoint"]) == CONFIGS[0])
+        # the compute the ranks did in the step (their actions' own times, from the timeline)
+        # over the time they had: what the bubble alone leaves, micro-batch efficiency apart
+        table2["bubble_only_efficiency_K2"][m] = (statistics.fmean(row["compute_per_step"])
+                                                  / seconds)
     for key, layer_costs in (("predicted", costs), ("predicted_calibrated", calibrated)):
         table2[key] = {}
         for k in [k for k in PREDICTED_STAGES if k <= run["layers"]]:
@@ -573,6 +618,11 @@ def _families(args: argparse.Namespace) -> dict[str, tuple[Family, Size]]:
     return {**THROUGHPUT_FAMILIES, **APP_FAMILIES}
 
 
+def batch_size_of(family: Family, args: argparse.Namespace) -> int:
+    """The mini-batch of the run: ``--batch-size`` if given, else the family's."""
+    return int(getattr(args, "batch_size", 0) or family.batch_size)
+
+
 def _first_microbatch(inputs: Any, m: int) -> Any:
     return scatter(inputs, m)[0]
 
@@ -590,6 +640,15 @@ def main() -> None:
                         help="untimed rounds per M (>= 1: the last measures memory)")
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--pingpong-repeats", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="the mini-batch (default: each family's; see --efficiency)")
+    parser.add_argument("--efficiency", action="store_true",
+                        help="first measure each family's per-sample efficiency against "
+                             "micro-batch size (one pinned process), for --efficiency-batches")
+    parser.add_argument("--efficiency-batches", type=int, nargs="*", default=[],
+                        help="batch sizes whose efficiency curve to measure (default: the "
+                             "family's); the report names the smallest whose micro-batch at the "
+                             "largest M keeps 90%% of the whole batch's efficiency")
     parser.add_argument("--tiny", action="store_true", help="tiny models for the tests")
     parser.add_argument("--out", default="docs/reproduction")
     parser.add_argument("--tag", default="",
@@ -608,10 +667,21 @@ def main() -> None:
     for name in args.families:
         family, _ = families[name]
         args.family = name
+        efficiency = None
+        if args.efficiency:
+            print(f"{name}: per-sample efficiency against micro-batch size ...", flush=True)
+            raw = json.loads(spawn(efficiency_worker, 1, None, args, setup=setup_process,
+                                   process_group=False, timeout_s=None)[0])
+            curves = {int(n): {int(m): e for m, e in c.items()} for n, c in raw.items()}
+            efficiency = {"curves": curves, "floor": 0.9,
+                          "smallest_efficient_batch": smallest_efficient_batch(
+                              curves, max(args.microbatches))}
+            print(f"  {efficiency}", flush=True)
         print(f"{name}: measuring K={K} for M={args.microbatches} ...", flush=True)
         run = json.loads(spawn(worker, K, None, args, setup=setup_process, pg_timeout_s=300,
                                timeout_s=None)[0])
         report["families"][name] = analyse(run, family, args)
+        report["families"][name]["microbatch_efficiency"] = efficiency
         print_family(report["families"][name])
     del args.family
     report["wall_seconds"] = time.monotonic() - started
@@ -651,12 +721,21 @@ def print_family(result: dict[str, Any]) -> None:
     table = result["table2"]
     ms = sorted(int(m) for m in table["measured_K2"])
     ks = sorted({int(key.split(",")[0][2:]) for key in table["predicted"]})
-    print("throughput normalised to K=2, M=1 (fill-drain, except_last): measured K=2 | "
-          "predicted from profiled costs | predicted from calibrated costs")
-    print(f"{'M':>3}{'K=2 meas.':>11}" + "".join(f"{'K=' + str(k):>8}" for k in ks) * 2)
+    print("throughput normalised to K=2, M=1 (fill-drain, except_last): measured K=2, GPipe's "
+          "ideal M/(M+K-1) normalised alike, the bubble-only efficiency (compute the ranks did / "
+          "time they had) against its ideal | predicted from profiled costs | predicted from "
+          "calibrated costs")
+    print(f"{'M':>3}{'K=2 meas.':>11}{'ideal':>7}{'busy':>7}{'ideal':>7}"
+          + "".join(f"{'K=' + str(k):>8}" for k in ks) * 2)
+
+    def at(name: str, m: int) -> float:
+        values = table[name]
+        return float(values[m] if m in values else values[str(m)])
+
     for m in ms:
-        measured = table["measured_K2"].get(m) or table["measured_K2"].get(str(m))
-        print(f"{m:>3}{measured:>11.2f}" + "".join(
+        print(f"{m:>3}{at('measured_K2', m):>11.2f}{at('ideal_K2', m):>7.2f}"
+              f"{at('bubble_only_efficiency_K2', m):>7.0%}{at('ideal_efficiency_K2', m):>7.0%}"
+              + "".join(
             f"{table[key][f'K={k},M={m}']['throughput']:>8.2f}"
             for key in ("predicted", "predicted_calibrated") for k in ks))
 

@@ -26,12 +26,18 @@ def test_throughput_writes_measured_and_predicted_rows(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "reproduce_throughput.py"), "--tiny",
          "--families", "amoebanet", "--microbatches", "1", "2", "--steps", "1", "--warmup", "1",
-         "--profile-repeats", "1", "--pingpong-repeats", "2", "--out", str(tmp_path)],
+         "--profile-repeats", "1", "--pingpong-repeats", "2", "--efficiency",
+         "--efficiency-batches", "4", "8", "--batch-size", "8", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "throughput.json").read_text())
     family = report["families"]["amoebanet"]
+    assert family["batch_size"] == 8
+    efficiency = family["microbatch_efficiency"]
+    assert set(efficiency["curves"]) == {"4", "8"}
+    for curve in efficiency["curves"].values():
+        assert curve["1"] == pytest.approx(1.0) and curve["2"] > 0
     rows = {(r["M"], r["schedule"], r["checkpoint"]): r for r in family["rows"]}
     assert set(rows) == {(m, s, c) for m in (1, 2) for s, c in CONFIGS}
     for row in rows.values():
@@ -48,6 +54,10 @@ def test_throughput_writes_measured_and_predicted_rows(tmp_path: Path) -> None:
     assert sum(family["balance"]) == family["layers"]
     table = family["table2"]
     assert table["measured_K2"]["1"] == pytest.approx(1.0)
+    # GPipe's ideal at K=2, normalised to M=1: 2M/(M+1); the ranks' busy share against M/(M+1).
+    assert table["ideal_K2"]["2"] == pytest.approx(4 / 3)
+    assert table["ideal_efficiency_K2"]["1"] == pytest.approx(0.5)
+    assert all(0 < v <= 1.5 for v in table["bubble_only_efficiency_K2"].values())
     assert table["predicted"]["K=2,M=1"]["throughput"] == pytest.approx(1.0)
     for key in ("predicted", "predicted_calibrated"):
         assert table[key]["K=2,M=1"]["throughput"] == pytest.approx(1.0)
@@ -67,6 +77,15 @@ def test_fitted_overhead_makes_the_plan_model_match_the_profile() -> None:
     costs = {"1": {"forward": [0.2, 0.2], "backward": [0.3, 0.3]},
              "4": {"forward": [0.06, 0.06], "backward": [0.09, 0.09]}}
     assert fitted_overhead({"costs": costs}) == pytest.approx(0.2 / 16)
+
+
+def test_the_smallest_efficient_batch_keeps_the_floor_at_the_largest_m() -> None:
+    from scripts.reproduce_throughput import smallest_efficient_batch
+
+    curves = {16: {1: 1.0, 8: 0.55}, 32: {1: 1.0, 8: 0.85}, 64: {1: 1.0, 8: 0.93},
+              128: {1: 1.0, 8: 0.97}}
+    assert smallest_efficient_batch(curves, 8) == 64
+    assert smallest_efficient_batch(curves, 8, floor=0.99) is None
 
 
 def test_plan_choice_on_the_committed_results() -> None:
