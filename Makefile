@@ -11,7 +11,8 @@ ARGS ?=
 .PHONY: install test test-fast test-unit lint smoke train-nmt eval-nmt translate train-amoebanet \
         eval-amoebanet classify \
         bench bench-overhead bench-pipeline bench-decoding reproduce-stability reproduce-depth-width \
-        reproduce-memory reproduce-throughput reproduce-app-pipelines reproduce-paper-scale \
+        reproduce-memory reproduce-throughput validate-simulator reproduce-app-pipelines \
+        reproduce-paper-scale \
         demo-large-nmt reproduce-defaults clean
 
 install: $(STAMP)
@@ -113,6 +114,12 @@ demo-large-nmt: install
 reproduce-throughput: install
 	$(PY) scripts/reproduce_throughput.py $(ARGS)
 	$(PY) scripts/plan_vs_measured.py
+
+# gp.simulate out of sample: costs replayed with gp.profile_stages in one launch predict the
+# steps of every configuration measured in another (K=2; Table 2's two families and a held-out
+# nn.TransformerEncoderLayer stack; docs/reproduction/simulator/). Needs a quiet machine.
+validate-simulator: install
+	$(PY) scripts/validate_simulator.py $(ARGS)
 
 # Tables 1 and 2 at the paper's scale, predicted from models counted on meta for the paper's
 # devices (TPU v2/v3 cores, P100, P40); nothing allocated at full size (minutes on this CPU;
