@@ -20,7 +20,9 @@ edge towards parameters that leaves that path::
 :meth:`PendingWeights.run` (W) runs autograd from the boundaries to the parameters, one group at
 a time (parameters reached from the same boundaries form a group, so that an autograd call does
 not walk the input path from one boundary to another), accumulating into ``.grad`` as a fused
-backward does. Only the boundary nodes run twice, and the second time only for their parameter
+backward does. Groups of vector parameters only (a norm's scale and shift, a lone bias) are
+not worth an autograd call of their own: I computes their gradient on its way (their node is
+on the input path; the gradient is a reduction over the batch) and W skips them. Only the boundary nodes run twice, and the second time only for their parameter
 outputs. Roots that do not lead to any input are boundaries too, with the roots' gradients. A
 stage whose inputs need no gradient (the first) thus does nothing in I and its whole backward
 in W.
@@ -105,17 +107,26 @@ def backward_input(
     wanted = [(i, x) for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
     input_nodes = [get_gradient_edge(x).node for _, x in wanted]
     on_path = _reaching(input_nodes, parents)
-    groups, boundaries = _group_params(params, parents, on_path, root_edges, grads)
+    groups, _ = _group_params(params, parents, on_path, root_edges, grads)
+    runs_path = bool(wanted and on_path)
+    now = [g for g in groups if runs_path and not _worth_deferring(g)]
+    groups = [g for g in groups if not any(g is e for e in now)]
+    eager = [p for g in now for p in g.params]
+    boundaries = list({node: None for g in groups for node in g.boundaries})
     captured: dict[Node, tuple[Tensor | None, ...]] = {}
     handles = [node.register_prehook(_capture(captured, node)) for node in boundaries]
     result: Grads = [None] * len(inputs)
     try:
-        if wanted and on_path:
+        if runs_path:
             computed = torch.autograd.grad(
-                list(roots), [x for _, x in wanted], grads, retain_graph=True, allow_unused=True
+                list(roots), [x for _, x in wanted] + eager, grads, retain_graph=True,
+                allow_unused=True
             )
-            for (position, _), grad in zip(wanted, computed, strict=True):
+            for (position, _), grad in zip(wanted, computed[:len(wanted)], strict=True):
                 result[position] = grad
+            with torch.no_grad():
+                for param, grad in zip(eager, computed[len(wanted):], strict=True):
+                    _accumulate(param, grad)
     finally:
         for handle in handles:
             handle.remove()
@@ -123,6 +134,27 @@ def backward_input(
     if missing:  # cannot happen: I runs every node on the path to the inputs
         raise RuntimeError(f"backward_input did not reach {missing}; please report this")
     return result, PendingWeights(groups, captured)
+
+
+def _worth_deferring(group: _Group) -> bool:
+    """Whether W should compute this group's gradient rather than I. A matrix or a kernel
+    (a parameter of two or more dimensions) has a gradient that is a product as large as its
+    layer's forward: worth moving off the critical path. A group of vectors only (a norm's
+    scale and shift, a bias alone) reduces over the batch, which costs less than the autograd
+    call W would spend on it; and a group whose gradient does not start on the input path
+    (the last stage's loss-only branches, a first stage's whole backward) stays in W, since I
+    does not walk there."""
+    return bool(group.roots) or not group.boundaries or any(p.dim() >= 2 for p in group.params)
+
+
+def _accumulate(param: Tensor, grad: Tensor | None) -> None:
+    """Add ``grad`` into ``param.grad`` as a fused backward's accumulation does."""
+    if grad is None:
+        return
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad += grad
 
 
 def _capture(captured: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Any:

@@ -250,3 +250,37 @@ def test_w_runs_only_the_parameter_branches() -> None:
     reference(x.detach().requires_grad_(True)).sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL, msg=name)
+
+
+def test_vector_only_groups_are_computed_by_i_and_w_skips_them() -> None:
+    # A norm's scale and shift reduce over the batch: I computes them on its way (their node
+    # is on the input path) and W spends no autograd call on them; the linear layers' weights
+    # (matrices) stay in W. The gradients equal a fused backward's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.Tanh(), nn.LayerNorm(4),
+                          nn.Linear(4, 4)).double()
+    x = leaf(3, 4)
+    out = model(x)
+    runs: list[str] = []
+
+    def count(node):  # type: ignore[no-untyped-def]
+        node.register_prehook(lambda _: runs.append(node.name()))
+        for child, _ in node.next_functions:
+            if child is not None and not hasattr(child, "variable"):
+                count(child)
+
+    count(out.grad_fn)
+    _, pending = backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
+    norms = [model[0], model[3]]
+    assert all(p.grad is not None for norm in norms for p in norm.parameters())  # after I
+    assert all(p.grad is None for p in [model[1].weight, model[4].weight])
+    runs.clear()
+    pending.run()
+    assert "NativeLayerNormBackward0" not in runs
+    assert sorted(runs) == sorted(["AddmmBackward0", "TBackward0"] * 2)
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():
+        p.grad = None
+    reference(x.detach().requires_grad_(True)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL, msg=name)
