@@ -220,6 +220,20 @@ def smallest_efficient_batch(curves: dict[int, dict[int, float]], largest_m: int
     return min(fits) if fits else None
 
 
+def choose_batch(curves: dict[int, dict[int, float]], microbatches: list[int],
+                 floor: float = 0.9) -> tuple[int, list[int]]:
+    """Table 2's mini-batch and M values: the smallest measured batch whose smallest
+    micro-batch (at the largest M) keeps ``floor`` of the whole batch's per-sample efficiency;
+    where none does, the largest M is dropped until one does (M=1 always stays)."""
+    kept = sorted(microbatches)
+    while len(kept) > 1:
+        batch = smallest_efficient_batch(curves, kept[-1], floor)
+        if batch is not None:
+            return batch, kept
+        kept = kept[:-1]
+    return min(curves), kept
+
+
 def mean_costs(per_rank: list[dict[Any, Any]], m: int) -> LayerCosts:
     """Each rank profiled every layer under the same load; a layer's cost is their mean."""
     costs = [LayerCosts(**(c[m] if m in c else c[str(m)])) for c in per_rank]
@@ -649,6 +663,10 @@ def main() -> None:
                         help="batch sizes whose efficiency curve to measure (default: the "
                              "family's); the report names the smallest whose micro-batch at the "
                              "largest M keeps 90%% of the whole batch's efficiency")
+    parser.add_argument("--auto-batch", action="store_true",
+                        help="with --efficiency and no --batch-size: measure Table 2 at the "
+                             "smallest of --efficiency-batches that keeps 90%% efficiency at the "
+                             "largest M, dropping the largest M values where none does")
     parser.add_argument("--tiny", action="store_true", help="tiny models for the tests")
     parser.add_argument("--out", default="docs/reproduction")
     parser.add_argument("--tag", default="",
@@ -677,11 +695,18 @@ def main() -> None:
                           "smallest_efficient_batch": smallest_efficient_batch(
                               curves, max(args.microbatches))}
             print(f"  {efficiency}", flush=True)
+        asked = (args.batch_size, args.microbatches)
+        if args.batch_size == 0 and args.efficiency and args.auto_batch:
+            args.batch_size, args.microbatches = choose_batch(efficiency["curves"],  # type: ignore[index]
+                                                              args.microbatches)
+            print(f"  chosen: batch {args.batch_size}, M {args.microbatches}", flush=True)
         print(f"{name}: measuring K={K} for M={args.microbatches} ...", flush=True)
         run = json.loads(spawn(worker, K, None, args, setup=setup_process, pg_timeout_s=300,
                                timeout_s=None)[0])
         report["families"][name] = analyse(run, family, args)
         report["families"][name]["microbatch_efficiency"] = efficiency
+        report["families"][name]["microbatches"] = list(args.microbatches)
+        args.batch_size, args.microbatches = asked
         print_family(report["families"][name])
     del args.family
     report["wall_seconds"] = time.monotonic() - started

@@ -88,6 +88,16 @@ def test_the_smallest_efficient_batch_keeps_the_floor_at_the_largest_m() -> None
     assert smallest_efficient_batch(curves, 8, floor=0.99) is None
 
 
+def test_choose_batch_drops_the_largest_m_where_no_batch_keeps_the_floor() -> None:
+    from scripts.reproduce_throughput import choose_batch
+
+    curves = {32: {1: 1.0, 4: 0.95, 8: 0.8, 32: 0.4}, 64: {1: 1.0, 4: 0.97, 8: 0.91, 32: 0.6}}
+    assert choose_batch(curves, [1, 4, 8]) == (64, [1, 4, 8])
+    assert choose_batch(curves, [1, 4, 8, 32]) == (64, [1, 4, 8])  # 32 dropped: none keeps 90%
+    assert choose_batch(curves, [1, 4, 8, 32], floor=0.96) == (64, [1, 4])
+    assert choose_batch(curves, [1, 8], floor=0.99) == (32, [1])
+
+
 def test_plan_choice_on_the_committed_results() -> None:
     from scripts.plan_vs_measured import compare
 
