@@ -206,33 +206,15 @@ def profile_stages(
         p.grad = None
     try:
         activations, gradients = _capture(stages, micro_inputs, micro_targets)
-        crossing = [plan.placement[s] != plan.placement[s + 1] for s in range(num_stages - 1)]
-        for s in range(num_stages - 1):  # messages between two ranks travel packed
-            if crossing[s]:
-                activations[s + 1] = {mb: _packed(x, device) for mb, x in activations[s + 1].items()}
-                gradients[s] = {mb: _packed(g, device) for mb, g in gradients[s].items()}
-        transports = [
-            _ReplayTransport(activations[s], gradients[s], device=device,
-                             packed_in=(s > 0 and crossing[s - 1],
-                                        s < num_stages - 1 and crossing[s]),
-                             pack_out=(s < num_stages - 1 and crossing[s],
-                                       s > 0 and crossing[s - 1]))
-            for s in range(num_stages)]
+        transports = _replay_transports(plan, activations, gradients, device)
         times: list[dict[str, list[float]]] = [{} for _ in range(num_stages)]
         stop = checkpoint_stop(checkpoint, m)
         for round_index in range(warmup + rounds):
-            step = _FIRST_STEP + round_index
             for r in wanted:
                 events = _replay(plan, r, stages, transports, gradients[-1], micro_inputs,
-                                 micro_targets, step)
-                if round_index < warmup:
-                    continue
-                per_kind: dict[tuple[int, str], list[float]] = {}
-                for stage_index, kind, mb, seconds in events:
-                    key = kind + ("_remat" if mb < stop and kind != "W" else "")
-                    per_kind.setdefault((stage_index, key), []).append(seconds)
-                for (stage_index, key), values in per_kind.items():
-                    times[stage_index].setdefault(key, []).append(statistics.fmean(values))
+                                 micro_targets, _FIRST_STEP + round_index)
+                if round_index >= warmup:
+                    _add_round(times, events, stop)
     finally:
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
@@ -269,6 +251,35 @@ def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
     for stage in stages:
         stage.discard(step)
     return activations, gradients
+
+
+def _replay_transports(plan: Schedule, activations: list[dict[int, Any]],
+                       gradients: list[dict[int, Any]], device: torch.device
+                       ) -> list[_ReplayTransport]:
+    """One transport per stage; a boundary between two ranks carries packed messages."""
+    num_stages = len(activations)
+    crossing = [plan.placement[s] != plan.placement[s + 1] for s in range(num_stages - 1)]
+    for s in range(num_stages - 1):
+        if crossing[s]:
+            activations[s + 1] = {mb: _packed(x, device) for mb, x in activations[s + 1].items()}
+            gradients[s] = {mb: _packed(g, device) for mb, g in gradients[s].items()}
+    return [_ReplayTransport(activations[s], gradients[s], device=device,
+                             packed_in=(s > 0 and crossing[s - 1],
+                                        s < num_stages - 1 and crossing[s]),
+                             pack_out=(s < num_stages - 1 and crossing[s],
+                                       s > 0 and crossing[s - 1]))
+            for s in range(num_stages)]
+
+
+def _add_round(times: list[dict[str, list[float]]], events: list[tuple[int, str, int, float]],
+               stop: int) -> None:
+    """Add one round's mean seconds per stage and kind (``_remat``: a re-materialized one)."""
+    per_kind: dict[tuple[int, str], list[float]] = {}
+    for stage_index, kind, mb, seconds in events:
+        key = kind + ("_remat" if mb < stop and kind != "W" else "")
+        per_kind.setdefault((stage_index, key), []).append(seconds)
+    for (stage_index, key), values in per_kind.items():
+        times[stage_index].setdefault(key, []).append(statistics.fmean(values))
 
 
 def _replay(plan: Schedule, rank: int, stages: list[Stage], transports: list[_ReplayTransport],
