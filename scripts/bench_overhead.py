@@ -11,6 +11,7 @@ before and after), to ``--json`` (default ``docs/reproduction/bench_overhead.jso
 the pages cite).
 
     python scripts/bench_overhead.py [--repeats 7] [--out out/bench_overhead.json] [--quick]
+                                     [--tiny]   # tiny models, for tests
 """
 
 from __future__ import annotations
@@ -77,14 +78,16 @@ class Head(nn.Module):
         return self.fc(pair[0].mean((2, 3)))
 
 
-def transformer_stack(layers: int = 8, d: int = 128) -> tuple[nn.Sequential, Tensor]:
+def transformer_stack(layers: int = 8, d: int = 128, batch: int = 32, seq: int = 64
+                      ) -> tuple[nn.Sequential, Tensor]:
     model = nn.Sequential(*[TransformerBlock(d, 4) for _ in range(layers)])
-    return model, torch.randn(32, 64, d)
+    return model, torch.randn(batch, seq, d)
 
 
-def conv_stack(cells: int = 6, c: int = 32) -> tuple[nn.Sequential, Tensor]:
+def conv_stack(cells: int = 6, c: int = 32, batch: int = 32, size: int = 32
+               ) -> tuple[nn.Sequential, Tensor]:
     model = nn.Sequential(Stem(c), *[ConvCell(c) for _ in range(cells)], Head(c))
-    return model, torch.randn(32, 3, 32, 32)
+    return model, torch.randn(batch, 3, size, size)
 
 
 class SavedBytes:
@@ -159,11 +162,16 @@ def measure(model: nn.Module, x: Tensor, repeats: int) -> tuple[list[float], int
     return times, peak
 
 
-def run(repeats: int, quick: bool) -> list[dict[str, Any]]:
+# --tiny: the same stacks at test size (seconds)
+TINY: dict[str, dict[str, int]] = {"transformer": {"layers": 2, "d": 16, "batch": 8, "seq": 4},
+                                   "conv": {"cells": 2, "c": 4, "batch": 8, "size": 8}}
+
+
+def run(repeats: int, quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
     rows = []
     for name, factory in (("transformer", transformer_stack), ("conv", conv_stack)):
         torch.manual_seed(0)
-        model, x = factory()
+        model, x = factory(**TINY[name]) if tiny else factory()
         plain_samples, plain_peak = measure(model, x, repeats)
         plain_time = statistics.median(plain_samples)
         rows.append({"model": name, "variant": "plain", "partitions": 0, "chunks": 1,
@@ -193,10 +201,11 @@ def main() -> None:
     parser.add_argument("--json", default="docs/reproduction/bench_overhead.json",
                         help="the rows with their provenance, where the pages cite them")
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (seconds, for tests)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
-    rows = run(args.repeats, args.quick)
+    rows = run(args.repeats, args.quick, args.tiny)
     report = {"provenance": provenance(load_before), "config": vars(args), "rows": rows}
     print(f"{'model':<12}{'variant':<8}{'K':>3}{'M':>4} {'checkpoint':<12}{'s/step':>9}"
           f"{'x plain':>9}{'saved MB':>10}")

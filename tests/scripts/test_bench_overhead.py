@@ -1,5 +1,5 @@
-"""scripts/bench_overhead.py runs end to end with its quick settings (its timings are not
-checked) and publishes its rows with provenance and every step's samples."""
+"""scripts/bench_overhead.py runs end to end on tiny models with its quick settings (its timings
+are not checked) and publishes its rows with provenance and every step's samples."""
 
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ from tests.scripts.published import assert_provenance
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 def test_bench_overhead_publishes_samples(tmp_path: Path) -> None:
     published = tmp_path / "bench_overhead.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--quick", "--repeats",
-         "2", "--out", str(tmp_path / "rows.json"), "--json", str(published)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--quick", "--tiny",
+         "--repeats", "2", "--out", str(tmp_path / "rows.json"), "--json", str(published)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(published.read_text())
