@@ -67,9 +67,13 @@ classify: install
 smoke: install
 	$(PY) scripts/smoke.py
 
+# Single-process overhead and re-materialization memory; docs/reproduction/bench_overhead.json
+# (every step's sample, commit, torch, time, machine, load) and out/bench_overhead.json.
 bench-overhead: install
 	$(PY) scripts/bench_overhead.py
 
+# DistributedGPipe against the plain module and torch.distributed.pipelining (K=2, M=1-16);
+# docs/reproduction/bench_pipeline.json (every round's sample, provenance) and out/bench_pipeline/.
 bench-pipeline: install
 	$(PY) scripts/bench_pipeline.py
 

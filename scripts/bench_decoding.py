@@ -11,7 +11,9 @@ median seconds and sentences per second, the ratio to the one-process rows measu
 whether the hypotheses equal the one-process search on the same groups, and per rank the
 parameter bytes held, the peak of tensor memory the decoding itself allocated
 (``scripts.harness.LiveTensorBytes``: caches, activations, messages) and the peak resident
-memory (rank 0's includes the whole model it keeps for the one-process rows). Writes JSON.
+memory (rank 0's includes the whole model it keeps for the one-process rows). Writes JSON
+(``--out``, default ``docs/reproduction/decoding.json``) with every round's samples and
+``scripts.harness.provenance`` (commit, torch, UTC time, machine, load before and after).
 
     python scripts/bench_decoding.py [--sentences 64 --num-layers 6 --d-model 256 ...]
 """
@@ -36,7 +38,14 @@ from apps.nmt.search import BeamSearch, GreedySearch, Hypothesis, search_hypothe
 from gpipe_core.launch import spawn
 from gpipe_core.materialize import materialize
 from gpipe_core.partition import optimal_balance
-from scripts.harness import LiveTensorBytes, reset_peak_rss, rss_mb, timed_step, write_json
+from scripts.harness import (
+    LiveTensorBytes,
+    provenance,
+    reset_peak_rss,
+    rss_mb,
+    timed_step,
+    write_json,
+)
 
 K = 2
 SEED = 0
@@ -238,8 +247,7 @@ def main() -> None:
         row["sentences_per_s"] = args.sentences / row["seconds"]
         row["speedup_vs_single1"] = single[(row["beam"], "single1")] / row["seconds"]
         row["speedup_vs_single2"] = single[(row["beam"], "single2")] / row["seconds"]
-    report.update(config=vars(args), K=K,
-                  load_average_1_5_15_min_before_after=[load_before, os.getloadavg()])
+    report.update(config=vars(args), K=K, provenance=provenance(load_before))
     out = write_json(args.out, report)
 
     mb = report["model_param_bytes"] / 2**20

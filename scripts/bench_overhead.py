@@ -2,16 +2,22 @@
 
 Side by side in one run, on a Transformer-block stack and an AmoebaNet-like conv stack: the
 plain module vs GPipe with K=1, 2, 4 partitions (all on CPU), chunks 1/4/8 and each checkpoint
-mode. Reports the median seconds per training step and the peak bytes autograd keeps for
-backward (counted with ``torch.autograd.graph.saved_tensors_hooks``, plus the partition inputs
-the pipeline keeps itself), prints a table and writes JSON.
+mode. Reports the median seconds per training step (each row keeps its per-step samples) and
+the peak bytes autograd keeps for backward (counted with
+``torch.autograd.graph.saved_tensors_hooks``, plus the partition inputs the pipeline keeps
+itself), prints a table and writes the rows to
+``--out`` and, with ``scripts.harness.provenance`` (commit, torch, UTC time, machine, load
+before and after), to ``--json`` (default ``docs/reproduction/bench_overhead.json``, the file
+the pages cite).
 
     python scripts/bench_overhead.py [--repeats 7] [--out out/bench_overhead.json] [--quick]
+                                     [--tiny]   # tiny models, for tests
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 import gpipe_core as gp
-from scripts.harness import write_json
+from scripts.harness import provenance, write_json
 
 
 class TransformerBlock(nn.Module):
@@ -72,14 +78,16 @@ class Head(nn.Module):
         return self.fc(pair[0].mean((2, 3)))
 
 
-def transformer_stack(layers: int = 8, d: int = 128) -> tuple[nn.Sequential, Tensor]:
+def transformer_stack(layers: int = 8, d: int = 128, batch: int = 32, seq: int = 64
+                      ) -> tuple[nn.Sequential, Tensor]:
     model = nn.Sequential(*[TransformerBlock(d, 4) for _ in range(layers)])
-    return model, torch.randn(32, 64, d)
+    return model, torch.randn(batch, seq, d)
 
 
-def conv_stack(cells: int = 6, c: int = 32) -> tuple[nn.Sequential, Tensor]:
+def conv_stack(cells: int = 6, c: int = 32, batch: int = 32, size: int = 32
+               ) -> tuple[nn.Sequential, Tensor]:
     model = nn.Sequential(Stem(c), *[ConvCell(c) for _ in range(cells)], Head(c))
-    return model, torch.randn(32, 3, 32, 32)
+    return model, torch.randn(batch, 3, size, size)
 
 
 class SavedBytes:
@@ -139,7 +147,9 @@ def train_step(model: nn.Module, x: Tensor, counter: SavedBytes | None = None) -
     return max(peak_forward + kept, counter.peak)
 
 
-def measure(model: nn.Module, x: Tensor, repeats: int) -> tuple[float, int]:
+def measure(model: nn.Module, x: Tensor, repeats: int) -> tuple[list[float], int]:
+    """Seconds of each of ``repeats`` training steps (after a warm one), and the peak bytes
+    saved for backward."""
     train_step(model, x)  # warm-up
     times = []
     for _ in range(repeats):
@@ -149,18 +159,24 @@ def measure(model: nn.Module, x: Tensor, repeats: int) -> tuple[float, int]:
         times.append(time.perf_counter() - start)
     counter = SavedBytes()
     peak = train_step(model, x, counter)
-    return statistics.median(times), peak
+    return times, peak
 
 
-def run(repeats: int, quick: bool) -> list[dict[str, Any]]:
+# --tiny: the same stacks at test size (seconds)
+TINY: dict[str, dict[str, int]] = {"transformer": {"layers": 2, "d": 16, "batch": 8, "seq": 4},
+                                   "conv": {"cells": 2, "c": 4, "batch": 8, "size": 8}}
+
+
+def run(repeats: int, quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
     rows = []
     for name, factory in (("transformer", transformer_stack), ("conv", conv_stack)):
         torch.manual_seed(0)
-        model, x = factory()
-        plain_time, plain_peak = measure(model, x, repeats)
+        model, x = factory(**TINY[name]) if tiny else factory()
+        plain_samples, plain_peak = measure(model, x, repeats)
+        plain_time = statistics.median(plain_samples)
         rows.append({"model": name, "variant": "plain", "partitions": 0, "chunks": 1,
-                     "checkpoint": "-", "seconds": plain_time, "peak_saved_bytes": plain_peak,
-                     "time_ratio": 1.0})
+                     "checkpoint": "-", "seconds": plain_time, "samples": plain_samples,
+                     "peak_saved_bytes": plain_peak, "time_ratio": 1.0})
         ks = (1, 2) if quick else (1, 2, 4)
         chunk_list = (1, 8) if quick else (1, 4, 8)
         for k in ks:
@@ -168,10 +184,12 @@ def run(repeats: int, quick: bool) -> list[dict[str, Any]]:
             for chunks in chunk_list:
                 for checkpoint in ("never", "except_last", "always"):
                     pipe = gp.GPipe(model, list(balance), chunks=chunks, checkpoint=checkpoint)
-                    seconds, peak = measure(pipe, x, repeats)
+                    samples, peak = measure(pipe, x, repeats)
+                    seconds = statistics.median(samples)
                     rows.append({"model": name, "variant": "gpipe", "partitions": k,
                                  "chunks": chunks, "checkpoint": checkpoint, "seconds": seconds,
-                                 "peak_saved_bytes": peak, "time_ratio": seconds / plain_time})
+                                 "samples": samples, "peak_saved_bytes": peak,
+                                 "time_ratio": seconds / plain_time})
     return rows
 
 
@@ -180,10 +198,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="out/bench_overhead.json")
+    parser.add_argument("--json", default="docs/reproduction/bench_overhead.json",
+                        help="the rows with their provenance, where the pages cite them")
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (seconds, for tests)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = run(args.repeats, args.quick)
+    load_before = os.getloadavg()
+    rows = run(args.repeats, args.quick, args.tiny)
+    report = {"provenance": provenance(load_before), "config": vars(args), "rows": rows}
     print(f"{'model':<12}{'variant':<8}{'K':>3}{'M':>4} {'checkpoint':<12}{'s/step':>9}"
           f"{'x plain':>9}{'saved MB':>10}")
     for r in rows:
@@ -201,7 +224,8 @@ def main() -> None:
               f"bytes for {always8['seconds'] / never8['seconds']:.2f}x time")
     out = Path(args.out)
     write_json(out, rows)
-    print(f"wrote {out}")
+    write_json(args.json, report)
+    print(f"wrote {out} and {args.json}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ GPipe's ideal pipeline (the plain module run on the same M micro-batches, divide
 K*M/(M+K-1)) and against perfect parallelism (the same divided by K: zero-bubble schedules may
 beat GPipe's ideal, never this one), and each rank's peak resident memory during a step, with
 the part of it the step itself added, and the peak of the step's live tensors (exact, unlike
-resident memory). Writes JSON and a PNG of speedup against M.
+resident memory). Prints, for each of our schedules against its torch counterpart, in how
+many of the paired rounds ours was faster. Writes the result (every row with its per-round
+samples, and ``scripts.harness.provenance``: commit, torch, UTC time, machine, load before and
+after) to ``--json`` (default ``docs/reproduction/bench_pipeline.json``, the file the pages
+cite) and to ``--out`` with a PNG of speedup against M.
 
     python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 15]
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ import gpipe_core as gp
 from gpipe_core.launch import spawn
 from scripts.harness import (
     LiveTensorBytes,
+    provenance,
     pyplot,
     save_figure,
     setup_process,
@@ -220,10 +226,13 @@ def main() -> None:
     parser.add_argument("--no-quiet-io", dest="quiet_io", action="store_false",
                         help="let gloo's I/O thread preempt our sends and posts "
                              "(gpipe_core.cpu.QuietIOThreads off)")
-    parser.add_argument("--out", default="out/bench_pipeline")
+    parser.add_argument("--out", default="out/bench_pipeline", help="JSON and PNG")
+    parser.add_argument("--json", default="docs/reproduction/bench_pipeline.json",
+                        help="the result with its provenance, where the pages cite it")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
+    load_before = os.getloadavg()
     setup = functools.partial(setup_process, pin=args.pin, hold_memory=args.hold_memory)
     # no bound on the whole run (its length grows with the rows); a hang ends at the process
     # group's timeout, and a failed rank ends the other
@@ -237,7 +246,9 @@ def main() -> None:
         row["efficiency"] = ideal / row["seconds"]
         row["parallel_efficiency"] = plain[(m, "chunked")] / K / row["seconds"]
     out = Path(args.out)
-    write_json(out / "bench_pipeline.json", {"config": vars(args), "rows": rows})
+    report = {"provenance": provenance(load_before), "config": vars(args), "rows": rows}
+    write_json(out / "bench_pipeline.json", report)
+    write_json(args.json, report)
     whole = statistics.median(s for (_, schedule), s in plain.items() if schedule == "whole")
     print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
           f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}; freed memory held: "
@@ -260,6 +271,10 @@ def main() -> None:
         ratios = ", ".join(f"{s}: {theirs[TORCH_COUNTERPART[s]] / ours[s]:.2f}x" for s in ours
                            if TORCH_COUNTERPART[s] in theirs)
         print(f"M={m}: torch.pipelining time / gpipe_core time: {ratios}")
+        if theirs:
+            print(f"M={m}: rounds in which gpipe_core was faster than torch.pipelining: "
+                  + ", ".join(f"{s} {won}/{rounds}"
+                              for s, (won, rounds) in paired_wins(rows, m).items()))
         if ours and theirs:
             best_ours = min(ours, key=ours.__getitem__)
             best_theirs = min(theirs, key=theirs.__getitem__)
@@ -272,7 +287,20 @@ def main() -> None:
                                            "interleaved_1f1b", "interleaved_zb")
                                  if s in ours) if "1f1b" in ours else ""))
     plot(rows, out / "bench_pipeline.png")
-    print(f"wrote {out}/bench_pipeline.json and bench_pipeline.png")
+    print(f"wrote {args.json}, {out}/bench_pipeline.json and bench_pipeline.png")
+
+
+def paired_wins(rows: list[dict[str, Any]], m: int) -> dict[str, tuple[int, int]]:
+    """For each of our schedules at ``m`` micro-batches: in how many rounds its step was faster
+    than its torch counterpart's in the same round (rounds are paired: one step of each per
+    round), and of how many."""
+    samples = {(r["impl"], r["schedule"]): r["samples"] for r in rows if r["M"] == m}
+    wins = {}
+    for (impl, schedule), ours in samples.items():
+        theirs = samples.get(("torch.pipelining", TORCH_COUNTERPART.get(schedule, "")))
+        if impl == "gpipe_core" and theirs is not None:
+            wins[schedule] = (sum(a < b for a, b in zip(ours, theirs, strict=True)), len(ours))
+    return wins
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

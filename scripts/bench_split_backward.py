@@ -4,7 +4,10 @@ A middle stage (its input needs a gradient) of ``--blocks`` pre-norm MLP blocks 
 encoder layers, one micro-batch, one thread. Each round runs one forward + B, and one forward +
 I + W, per re-materialization mode (round-robin, so that load drifts touch all alike), and
 reports the median seconds of B, I, W and I + W. Zero-bubble schedules pay I + W - B extra per
-micro-batch for moving W off the critical path.
+micro-batch for moving W off the critical path. Writes the medians with every round's samples to
+``--out`` and, with ``scripts.harness.provenance`` (commit, torch, UTC time, machine, load
+before and after), to ``--json`` (default ``docs/reproduction/split_backward_<model>.json``,
+the file the pages cite).
 
     python scripts/bench_split_backward.py [--model mlp|transformer --blocks 4 --width 256
                                             --batch 16 --seq 32 --rounds 30]
@@ -13,6 +16,7 @@ micro-batch for moving W off the critical path.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -22,7 +26,7 @@ from torch import Tensor, nn
 
 from gpipe_core.stage import Stage
 from scripts.bench_pipeline import Block  # pre-norm residual MLP block
-from scripts.harness import write_json
+from scripts.harness import provenance, write_json
 
 
 def build(model: str, blocks: int, width: int) -> list[tuple[str, nn.Module]]:
@@ -57,8 +61,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", default="out/bench_split_backward")
+    parser.add_argument("--json", default=None,
+                        help="the result with its provenance, where the pages cite it "
+                             "(default docs/reproduction/split_backward_<model>.json)")
     args = parser.parse_args()
+    if args.json is None:
+        args.json = f"docs/reproduction/split_backward_{args.model}.json"
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     stages = {
         mode: Stage(build(args.model, args.blocks, args.width), stage_index=1, num_stages=3,
                     first_layer_index=0, device=torch.device("cpu"), checkpoint=mode, seed=0)
@@ -85,9 +95,15 @@ def main() -> None:
         both = statistics.median(r[0] + r[1] for r in samples[(mode, "I+W")])
         print(f"{mode:<11}{b * 1e3:>8.2f}{i * 1e3:>8.2f}{w * 1e3:>8.2f}{both * 1e3:>8.2f}"
               f"{both / b:>9.2f}")
-        report.append({"checkpoint": mode, "B": b, "I": i, "W": w, "I+W": both})
+        report.append({"checkpoint": mode, "B": b, "I": i, "W": w, "I+W": both,
+                       "samples": {"B": [r[0] for r in samples[(mode, "B")]],
+                                   "I": [r[0] for r in samples[(mode, "I+W")]],
+                                   "W": [r[1] for r in samples[(mode, "I+W")]]}})
+    result = {"provenance": provenance(load_before), "config": vars(args), "rows": report}
     out = Path(args.out)
-    write_json(out / f"{args.model}.json", {"config": vars(args), "rows": report})
+    write_json(out / f"{args.model}.json", result)
+    write_json(args.json, result)
+    print(f"wrote {out / f'{args.model}.json'} and {args.json}")
 
 
 if __name__ == "__main__":

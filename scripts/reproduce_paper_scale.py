@@ -419,18 +419,13 @@ def table2(tiny: bool) -> dict[str, Any]:
     return result
 
 
-def provenance() -> dict[str, Any]:
-    record = harness.provenance()
-    return {"commit": record["commit"], "torch": record["torch"], "utc": record["utc"],
-            "load_average_1_5_15_min": record["load_average_after"]}
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny ladders (seconds, for tests)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "reproduction" / "paper_scale.json"))
     args = parser.parse_args(argv)
-    report: dict[str, Any] = {"provenance": provenance(), "tiny": args.tiny}
+    load_before = os.getloadavg()
+    report: dict[str, Any] = {"provenance": None, "tiny": args.tiny}
     started = time.perf_counter()
     families = paper_families(args.tiny)
     report["devices"] = {f.name: vars(f.device) for f in families.values()}
@@ -445,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "table2_median_abs_error": report["table2"]["median_abs_error"],
     }
     report["seconds"] = time.perf_counter() - started
-    report["provenance"]["load_average_1_5_15_min_after"] = list(os.getloadavg())
+    report["provenance"] = harness.provenance(load_before)
     out = harness.write_json(args.out, report, default=str)
     goals = report["goals"]
     print(f"Table 1: {goals['table1_cells_within_one_ladder_step']}/{goals['table1_cells']} "

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts.published import assert_provenance
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -18,11 +20,14 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "4",
          "--width", "16", "--batch", "8", "--seq", "2", "--microbatches", "1", "2",
-         "--steps", "2", "--warmup", "1", "--out", str(out)],
+         "--steps", "2", "--warmup", "1", "--out", str(out),
+         "--json", str(tmp_path / "published.json")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "bench_pipeline.json").read_text())
+    assert json.loads((tmp_path / "published.json").read_text()) == report
+    assert_provenance(report)
     rows = {(r["impl"], r["schedule"], r["M"]): r for r in report["rows"]}
     for m in (1, 2):
         for key in (("plain", "whole"), ("plain", "chunked"), ("gpipe_core", "gpipe"),
@@ -43,6 +48,8 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
     assert (out / "bench_pipeline.png").stat().st_size > 0
     assert "torch.pipelining time / gpipe_core time" in result.stdout
     assert "fastest gpipe_core" in result.stdout
+    assert ("M=2: rounds in which gpipe_core was faster than torch.pipelining: gpipe "
+            in result.stdout)
 
 
 def test_bench_pipeline_rejects_zero_rounds() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from scripts.reproduce_paper_scale import main
+from tests.scripts.published import assert_provenance
 
 
 @pytest.mark.slow
@@ -15,7 +16,7 @@ def test_paper_scale_script_end_to_end_on_a_tiny_ladder(tmp_path: Path) -> None:
     out = tmp_path / "paper_scale.json"
     report = main(["--tiny", "--out", str(out)])
     assert json.loads(out.read_text())["goals"] == report["goals"]
-    assert {"commit", "torch", "utc", "load_average_1_5_15_min"} <= set(report["provenance"])
+    assert_provenance(report)
     rows = report["table1"]
     assert len(rows) == 4 and all(r["predicted_size"] is not None for r in rows)
     by_cell = {(r["family"], r["column"]): r for r in rows}
