@@ -32,6 +32,8 @@ import functools
 import json
 import os
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from torch import Tensor, nn
 
 import gpipe_core as gp
 from gpipe_core.launch import spawn
+from gpipe_core.microbatch import scatter
 from scripts.harness import (
     LiveTensorBytes,
     provenance,
@@ -94,6 +97,38 @@ def data(args: argparse.Namespace) -> tuple[Tensor, Tensor]:
     return x, torch.randn(args.batch, args.seq, args.width, generator=g)
 
 
+# Model families beside the MLP blocks (issue 26: "faster" must hold on more than one):
+# torch's nn.TransformerEncoderLayer, the NMT app's encoder and decoder layers and AmoebaNet-D
+# cells, as scripts/reproduction.py builds them (the apps' current CPU defaults).
+FAMILIES = ("mlp", "encoder", "nmt_app", "amoebanet_app")
+
+
+@dataclass
+class Workload:
+    """What a run trains: a builder of the same seeded model each call, one batch, the loss."""
+
+    build: Callable[[], nn.Sequential]
+    inputs: Any
+    targets: Tensor
+    loss_fn: Callable[[Any, Tensor], Tensor]
+    describe: str
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    if args.family == "mlp":
+        x, y = data(args)
+        return Workload(lambda: build(args.blocks, args.width), x, y, loss_fn,
+                        f"{args.blocks} MLP blocks, d={args.width}, batch {args.batch}x{args.seq}")
+    from scripts.reproduction import APP_FAMILIES, ENCODER, TINY_ENCODER
+
+    family, size = {"encoder": (TINY_ENCODER if args.tiny else ENCODER,
+                                {"L": 3 if args.tiny else 8}), **APP_FAMILIES}[args.family]
+    batch = args.batch or family.batch_size
+    x, y = family.batch(batch)
+    return Workload(lambda: gp.materialize(family.build(size), seed=0), x, y, family.loss_fn,
+                    f"{args.family} {family.describe(size) or '(the app default)'}, batch {batch}")
+
+
 def step_tensor_mb(fn: Any) -> float:
     """Peak bytes of tensors one step holds at once (``LiveTensorBytes``: what the step adds,
     activations kept for backward, gradients, messages; not the allocator's slack)."""
@@ -103,42 +138,46 @@ def step_tensor_mb(fn: Any) -> float:
     return meter.peak / 2**20
 
 
-def plain_steps(model: nn.Sequential, x: Tensor, y: Tensor, m: int, rank: int) -> dict[str, Any]:
+def plain_steps(model: nn.Sequential, x: Any, y: Tensor, m: int, rank: int,
+                loss: Callable[[Any, Tensor], Tensor] = loss_fn) -> dict[str, Any]:
     """The plain module in one process (rank 0; the other ranks wait): whole batch, M chunks."""
 
     def whole() -> None:
         if rank == 0:
             model.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
+            loss(model(x), y).backward()
 
     def chunked() -> None:
         if rank == 0:
             model.zero_grad(set_to_none=True)
-            for xm, ym in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
-                (loss_fn(model(xm), ym) / m).backward()
+            for xm, ym in zip(scatter(x, m), scatter(y, m), strict=True):
+                (loss(model(xm), ym) / m).backward()
 
     return {"whole": whole, "chunked": chunked}
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
     """One rank's measurements; rank 0 returns every row as JSON text."""
-    x, y = data(args)
-    plain_model = build(args.blocks, args.width)
+    work = workload(args)
+    x, y = work.inputs, work.targets
+    plain_model = work.build()
     rows = []
     for m in args.microbatches:
         # Every configuration of this M, measured round-robin: one step of each per round, so
         # that drifts in machine load touch them all alike.
         configs: dict[tuple[str, str], Any] = {}
-        for schedule, fn in plain_steps(plain_model, x, y, m, rank).items():
+        for schedule, fn in plain_steps(plain_model, x, y, m, rank, work.loss_fn).items():
             configs[("plain", schedule)] = fn
         for impl, schedule in ([("gpipe_core", s) for s in OURS]
                                + [("torch.pipelining", s) for s in THEIRS]):
-            model = build(args.blocks, args.width)
+            model = work.build()
             parts = 2 * K if schedule in VIRTUAL else K
-            balance = [args.blocks // parts + (1 if i < args.blocks % parts else 0)
+            if len(model) < parts:  # a stage without layers: nothing to compare
+                continue
+            balance = [len(model) // parts + (1 if i < len(model) % parts else 0)
                        for i in range(parts)]
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint,
-                             args.quiet_io)
+                             args.quiet_io, work.loss_fn)
             if step is not None:
                 configs[(impl, schedule)] = step
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
@@ -162,12 +201,25 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
     return json.dumps(rows) if rank == 0 else None
 
 
+class _TupleIn(nn.Module):
+    """torch.distributed.pipelining hands a stage a tuple message as separate arguments; our
+    layers take one tuple, as gpipe_core passes it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return self.inner(args[0] if len(args) == 1 else args)
+
+
 def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int], m: int,
-              rank: int, x: Tensor, y: Tensor, checkpoint: str, quiet_io: bool = True) -> Any:
+              rank: int, x: Any, y: Tensor, checkpoint: str, quiet_io: bool = True,
+              loss: Callable[[Any, Tensor], Tensor] = loss_fn) -> Any:
     if impl == "gpipe_core":
         try:
             pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
-                                       checkpoint=checkpoint, loss_fn=loss_fn, quiet_io=quiet_io)
+                                       checkpoint=checkpoint, loss_fn=loss, quiet_io=quiet_io)
         except ValueError:
             return None  # DualPipeV refusing fewer than 2K micro-batches
 
@@ -188,20 +240,21 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
     indices = ([rank] if placement is None else [rank, rank + K] if placement == "interleaved"
                else [rank, num_stages - 1 - rank])
     layers = list(model)
-    submodules = [nn.Sequential(*layers[sum(balance[:i]) : sum(balance[: i + 1])])
+    submodules = [_TupleIn(nn.Sequential(*layers[sum(balance[:i]) : sum(balance[: i + 1])]))
                   for i in indices]
     stages = [pipelining.PipelineStage(sub, i, num_stages, torch.device("cpu"))
               for sub, i in zip(submodules, indices, strict=True)]
     first, last = 0 in indices, num_stages - 1 in indices
     try:
-        sched = factory(stages if placement else stages[0], n_microbatches=m, loss_fn=loss_fn)
+        sched = factory(stages if placement else stages[0], n_microbatches=m, loss_fn=loss)
     except (ValueError, RuntimeError):
         return None  # e.g. 1F1B refusing fewer micro-batches than stages
 
     def theirs() -> None:
         for sub in submodules:
             sub.zero_grad(set_to_none=True)
-        sched.step(*((x,) if first else ()), target=y if last else None,
+        sched.step(*((tuple(x) if isinstance(x, tuple | list) else (x,)) if first else ()),
+                   target=y if last else None,
                    losses=[] if last else None)
 
     return theirs
@@ -209,9 +262,16 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES, default="mlp",
+                        help="mlp: --blocks pre-norm MLP blocks of --width; encoder: 8 "
+                             "nn.TransformerEncoderLayer (d=192) and a head; nmt_app, "
+                             "amoebanet_app: the apps' CPU default models")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the encoder family at test size (the tests)")
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="mini-batch (default 64 for mlp, else the family's)")
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=15, help="timed rounds per M")
     parser.add_argument("--warmup", type=int, default=2,
@@ -232,6 +292,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
+    if args.batch is None and args.family == "mlp":
+        args.batch = 64
     load_before = os.getloadavg()
     setup = functools.partial(setup_process, pin=args.pin, hold_memory=args.hold_memory)
     # no bound on the whole run (its length grows with the rows); a hang ends at the process
@@ -250,8 +312,7 @@ def main() -> None:
     write_json(out / "bench_pipeline.json", report)
     write_json(args.json, report)
     whole = statistics.median(s for (_, schedule), s in plain.items() if schedule == "whole")
-    print(f"plain module, 1 thread: {whole:.4f} s/step ({args.blocks} blocks, d={args.width}, "
-          f"batch {args.batch}x{args.seq}); cores pinned: {args.pin}; freed memory held: "
+    print(f"plain module, 1 thread: {whole:.4f} s/step ({workload(args).describe}); cores pinned: {args.pin}; freed memory held: "
           f"{args.hold_memory}; gloo I/O thread quiet in our calls: {args.quiet_io}")
     print("eff.: against GPipe's ideal (plain on M micro-batches x (M+K-1)/(KM)); par.: against "
           "perfect parallelism (plain on M micro-batches / K)")

@@ -216,6 +216,54 @@ APP_FAMILIES: dict[str, tuple[Family, Size]] = {
 }
 
 
+# --- a held-out family: torch's own Transformer encoder layer ------------------------------
+
+
+class EncoderBlock(nn.Module):
+    """``nn.TransformerEncoderLayer`` as torch builds it by default (post-norm, batch first, no
+    dropout), a layer no part of the simulator, the profiler or the schedules was tuned on.
+    (With ``norm_first=True`` torch.distributed.pipelining's zero-bubble schedules fail in
+    their input backward: "Can't detach views in-place", torch 2.14.)"""
+
+    def __init__(self, d: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(d, heads, ffn, dropout=0.0, batch_first=True)
+
+    def reset_parameters(self) -> None:
+        """Attention's input projection has no public reset (torch's own init, on meta)."""
+        self.layer.self_attn._reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x)  # type: ignore[no-any-return]
+
+
+def build_encoder(size: Size, d: int = 192, heads: int = 4, ffn: int = 768,
+                  classes: int = 16) -> nn.Sequential:
+    with torch.device("meta"):
+        layers: list[nn.Module] = [EncoderBlock(d, heads, ffn) for _ in range(size["L"])]
+        return nn.Sequential(*layers, nn.Linear(d, classes))
+
+
+def encoder_batch(batch_size: int, seq: int = 48, d: int = 192, classes: int = 16
+                  ) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch_size, seq, d, generator=g),
+            torch.randint(0, classes, (batch_size, seq), generator=g))
+
+
+def encoder_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+# 8 encoder layers at d=192 (4 heads, FFN 768) and a linear head; batch 32 x 48 tokens.
+ENCODER = Family("encoder", [{"L": 8}], build_encoder, encoder_batch, encoder_loss, adam,
+                 batch_size=32)
+TINY_ENCODER = Family("encoder", [{"L": 3}], partial(build_encoder, d=16, heads=2, ffn=32,
+                                                     classes=4),
+                      partial(encoder_batch, seq=6, d=16, classes=4), encoder_loss, adam,
+                      batch_size=8)
+
+
 # --- sizes without memory -------------------------------------------------------------------
 
 

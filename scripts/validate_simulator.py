@@ -43,13 +43,10 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 
 import gpipe_core as gp
 from gpipe_core.launch import spawn
@@ -57,11 +54,12 @@ from gpipe_core.partition import optimal_balance
 from scripts.harness import provenance, setup_process, timed_step, write_json
 from scripts.reproduce_throughput import fit_transfer, ping_pong
 from scripts.reproduction import (
+    ENCODER,
     THROUGHPUT_FAMILIES,
+    TINY_ENCODER,
     TINY_THROUGHPUT_FAMILIES,
     Family,
     Size,
-    adam,
     layer_sizes,
 )
 
@@ -71,54 +69,9 @@ MICROBATCHES = (1, 2, 4, 8)
 GOALS = {"median_abs_error": 0.05, "worst_abs_error": 0.10, "kendall_tau": 0.9}
 
 
-# --- the held-out family --------------------------------------------------------------------
-
-
-class EncoderBlock(nn.Module):
-    """``nn.TransformerEncoderLayer`` (batch first, pre-norm as most current models)."""
-
-    def __init__(self, d: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(d, heads, ffn, dropout=0.0, batch_first=True,
-                                                norm_first=True)
-
-    def reset_parameters(self) -> None:
-        """Attention's input projection has no public reset (torch's own init, on meta)."""
-        self.layer.self_attn._reset_parameters()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.layer(x)  # type: ignore[no-any-return]
-
-
-def build_encoder(size: Size, d: int = 192, heads: int = 4, ffn: int = 768,
-                  classes: int = 16) -> nn.Sequential:
-    with torch.device("meta"):
-        layers: list[nn.Module] = [EncoderBlock(d, heads, ffn) for _ in range(size["L"])]
-        return nn.Sequential(*layers, nn.Linear(d, classes))
-
-
-def encoder_batch(batch_size: int, seq: int = 48, d: int = 192, classes: int = 16
-                  ) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(batch_size, seq, d, generator=g),
-            torch.randint(0, classes, (batch_size, seq), generator=g))
-
-
-def encoder_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-ENCODER = Family("encoder", [{"L": 8}], build_encoder, encoder_batch, encoder_loss, adam,
-                 batch_size=32)
-TINY_ENCODER = Family("encoder", [{"L": 2}], partial(build_encoder, d=16, heads=2, ffn=32,
-                                                     classes=4),
-                      partial(encoder_batch, seq=6, d=16, classes=4), encoder_loss, adam,
-                      batch_size=8)
-
-
 def families(tiny: bool) -> dict[str, tuple[Family, Size]]:
     if tiny:
-        return {**TINY_THROUGHPUT_FAMILIES, "encoder": (TINY_ENCODER, {"L": 2})}
+        return {**TINY_THROUGHPUT_FAMILIES, "encoder": (TINY_ENCODER, {"L": 3})}
     return {**THROUGHPUT_FAMILIES, "encoder": (ENCODER, {"L": 8})}
 
 

@@ -52,6 +52,26 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
             in result.stdout)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_pipeline_runs_torchs_encoder_layer_in_both_frameworks(tmp_path: Path) -> None:
+    # The held-out family of issue 26 at test size: nn.TransformerEncoderLayer stacks, every
+    # schedule of both frameworks on them (a virtual schedule needs a layer per stage).
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--family", "encoder",
+         "--tiny", "--microbatches", "4", "--steps", "1", "--warmup", "1",
+         "--out", str(tmp_path / "bench"), "--json", str(tmp_path / "published.json")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "published.json").read_text())
+    assert report["config"]["family"] == "encoder"
+    done = {(r["impl"], r["schedule"]) for r in report["rows"]}
+    assert {("gpipe_core", s) for s in ("gpipe", "1f1b", "zb_h1", "zb_v", "dualpipe_v")} <= done
+    assert {("torch.pipelining", s) for s in ("gpipe", "1f1b", "zb_v", "dualpipe_v")} <= done
+    assert "encoder L=3, batch 8" in result.stdout
+
+
 def test_bench_pipeline_rejects_zero_rounds() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--warmup", "0"],
