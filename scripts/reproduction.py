@@ -8,8 +8,12 @@ the loss and the paper's optimiser (RMSProp for AmoebaNet, Adam for the Transfor
 
 The CPU scale: AmoebaNet-D on 32x32 RGB images with a stride-1 stem (its normal cells then
 run at 8x8, 4x4 and 2x2, as the paper's 224-pixel input with a stride-2 stem runs at 28, 14
-and 7 after its own stem), batch 32; the Transformer at d_model 256, feed-forward 1024,
-4 heads, vocabulary 8000, batch 16 sentence pairs of 32 tokens each side.
+and 7 after its own stem), batch 32; the same on 56x56 images (``amoebanet_56px``, cells at
+14x14, 7x7 and 4x4), whose activations outweigh its parameters as the paper's do (6.8:1 in
+memory for the naive model near Table 1's budget, AmoebaNet-D(6, 80): 426 MB of live
+activation tensors against 63 MB of parameter memory; about 1.6:1 at 32x32); the
+Transformer at d_model 256, feed-forward 1024, 4 heads, vocabulary 8000, batch 16 sentence
+pairs of 32 tokens each side.
 
 :func:`layer_sizes` measures, without allocating anything, what each layer keeps for backward
 (autograd's saved tensors, counted on ``meta``), its input and its parameters: the sizes the
@@ -18,8 +22,8 @@ memory-aware balance, ``gp.simulate`` and ``gp.plan`` take.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,9 @@ class Family:
     loss_fn: Callable[[Any, Tensor], Tensor]
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     batch_size: int
+    # the step of each dimension on the fine ladder between two adjacent ladder entries
+    # (reproduce_memory's brackets); a dimension not named is not refined
+    fine_steps: Mapping[str, int] = field(default_factory=dict)
 
     def describe(self, size: Size) -> str:
         return ", ".join(f"{k}={v}" for k, v in size.items())
@@ -56,6 +63,7 @@ class Family:
 # --- AmoebaNet-D ----------------------------------------------------------------------------
 
 AMOEBA_IMAGE = 32
+AMOEBA_LARGE_IMAGE = 56  # the activation-heavy input of Table 1
 
 
 def build_amoeba(size: Size) -> nn.Sequential:
@@ -63,9 +71,9 @@ def build_amoeba(size: Size) -> nn.Sequential:
                            num_classes=10, in_chans=3, stem_stride=1)
 
 
-def amoeba_batch(batch_size: int) -> tuple[Tensor, Tensor]:
+def amoeba_batch(batch_size: int, image: int = AMOEBA_IMAGE) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, AMOEBA_IMAGE, AMOEBA_IMAGE, generator=g)
+    images = torch.randn(batch_size, 3, image, image, generator=g)
     return images, torch.randint(0, 10, (batch_size,), generator=g)
 
 
@@ -119,26 +127,33 @@ def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.98))  # two state tensors/param
 
 
+AMOEBA_LADDER = amoeba_ladder([8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256],
+                              [6, 9, 12, 18, 24, 36, 48])
+AMOEBA_FINE_STEPS = {"D": 16, "L": 1}
 FAMILIES: dict[str, Family] = {
-    "amoebanet": Family(
-        "amoebanet",
-        amoeba_ladder([8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256],
-                      [6, 9, 12, 18, 24, 36, 48]),
-        build_amoeba, amoeba_batch, amoeba_loss, rmsprop, batch_size=32),
+    "amoebanet": Family("amoebanet", AMOEBA_LADDER, build_amoeba, amoeba_batch, amoeba_loss,
+                        rmsprop, batch_size=32, fine_steps=AMOEBA_FINE_STEPS),
+    "amoebanet_56px": Family("amoebanet_56px", AMOEBA_LADDER, build_amoeba,
+                             partial(amoeba_batch, image=AMOEBA_LARGE_IMAGE), amoeba_loss,
+                             rmsprop, batch_size=32, fine_steps=AMOEBA_FINE_STEPS),
     "transformer": Family(
         "transformer",
         [{"L": n} for n in (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)],
-        build_nmt, nmt_batch, nmt_loss, adam, batch_size=16),
+        build_nmt, nmt_batch, nmt_loss, adam, batch_size=16, fine_steps={"L": 1}),
 }
 
 # Tiny families for the tests: the same code paths on models that build and step in a second.
+TINY_AMOEBA_LADDER = amoeba_ladder([4, 8, 16], [3, 6, 9, 12])
 TINY_FAMILIES: dict[str, Family] = {
-    "amoebanet": Family("amoebanet", amoeba_ladder([4, 8, 16], [3, 6, 9, 12]), build_amoeba,
-                        amoeba_batch, amoeba_loss, rmsprop, batch_size=8),
+    "amoebanet": Family("amoebanet", TINY_AMOEBA_LADDER, build_amoeba, amoeba_batch, amoeba_loss,
+                        rmsprop, batch_size=8, fine_steps={"D": 4, "L": 1}),
+    "amoebanet_56px": Family("amoebanet_56px", TINY_AMOEBA_LADDER, build_amoeba,
+                             partial(amoeba_batch, image=AMOEBA_LARGE_IMAGE), amoeba_loss,
+                             rmsprop, batch_size=8, fine_steps={"D": 4, "L": 1}),
     "transformer": Family("transformer", [{"L": n} for n in (1, 2, 3, 4, 6, 8)],
                           partial(build_nmt, width=TINY_NMT_WIDTH),
                           partial(nmt_batch, vocab=TINY_NMT_WIDTH["vocab_size"]), nmt_loss, adam,
-                          batch_size=4),
+                          batch_size=4, fine_steps={"L": 1}),
 }
 
 
