@@ -51,6 +51,7 @@ import torch.distributed as dist
 import gpipe_core as gp
 from gpipe_core.launch import spawn
 from gpipe_core.partition import optimal_balance
+from gpipe_core.remat import checkpoint_stop
 from scripts.harness import provenance, setup_process, timed_step, write_json
 from scripts.reproduce_throughput import fit_transfer, ping_pong
 from scripts.reproduction import (
@@ -142,7 +143,7 @@ def measure_worker(rank: int, world_size: int, args: argparse.Namespace,
     for schedule, checkpoint, m in _configs(args):
         pipes[(schedule, checkpoint, m)] = gp.DistributedGPipe(
             family.build(size), balance, chunks=m, schedule=schedule, checkpoint=checkpoint,
-            loss_fn=family.loss_fn, seed=0)
+            loss_fn=family.loss_fn, seed=0, record=True)
     samples: dict[tuple[str, str, int], list[float]] = {key: [] for key in pipes}
     for round_ in range(args.warmup + args.rounds):
         for key, pipe in pipes.items():
@@ -150,14 +151,43 @@ def measure_worker(rank: int, world_size: int, args: argparse.Namespace,
                 pipe.zero_grad(set_to_none=True)
                 pipe.step(inputs if pipe.is_first else None, targets if pipe.is_last else None)
 
+            if round_ == args.warmup:
+                pipe.timeline.clear()  # the timed rounds' actions only
             seconds = timed_step(step)
             if round_ >= args.warmup:
                 samples[key].append(seconds)
+    actions: dict[tuple[str, str, int], list[Any]] = {}
+    for key, pipe in pipes.items():  # each rank's actions as they ran in the pipeline
+        gathered: list[Any] = [None] * K
+        dist.all_gather_object(gathered, in_pipeline_costs(pipe.timeline, key[1], key[2],
+                                                            args.rounds))
+        actions[key] = gathered
     if rank != 0:
         return None
     return json.dumps({"rows": [{"schedule": s, "checkpoint": c, "M": m,
-                                 "seconds": statistics.median(v), "samples": v}
+                                 "seconds": statistics.median(v), "samples": v,
+                                 "in_pipeline_action_seconds": actions[(s, c, m)]}
                                 for (s, c, m), v in samples.items()]})
+
+
+def in_pipeline_costs(events: list[Any], checkpoint: str, m: int, rounds: int
+                      ) -> dict[str, float]:
+    """Mean seconds per action kind of this rank's stage as the pipeline ran them: from an
+    action's input arriving to its end (``TimelineEvent.ready`` to ``end``), the quantity a
+    replay times (``_remat``: re-materialized micro-batches); and ``wait_per_step``, the
+    seconds per step the rank spent waiting for a neighbour."""
+    stop = checkpoint_stop(checkpoint, m)
+    groups: dict[str, list[float]] = {}
+    waited = 0.0
+    for event in events:
+        action = gp.Action.parse(event.action)
+        key = action.kind + ("_remat" if action.mb < stop and action.kind != "W" else "")
+        ready = event.ready if event.ready is not None else event.start
+        groups.setdefault(key, []).append(event.end - ready)
+        waited += ready - event.start
+    costs = {key: statistics.fmean(values) for key, values in groups.items()}
+    costs["wait_per_step"] = waited / rounds
+    return costs
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -182,6 +212,23 @@ def predict(profile: dict[str, Any], entry: dict[str, Any]) -> float:
     return gp.simulate(schedule, costs).step_time
 
 
+def stage_from_actions(costs: dict[str, float]) -> dict[str, Any]:
+    """A stage's costs for :func:`predict` from the actions it ran in the pipeline
+    (:func:`in_pipeline_costs`), mapped as ``gp.profile_stages`` maps a replay's."""
+    split = "I" in costs or "I_remat" in costs
+    fused = "I" if split else "B"
+    b, b_remat = costs.get(fused), costs.get(fused + "_remat")
+    f, f_remat = costs.get("F"), costs.get("F_remat")
+    forward = f if f is not None else f_remat
+    backward = b if b is not None else b_remat
+    recompute = (b_remat - b if b is not None and b_remat is not None
+                 else 0.0 if b_remat is not None else forward)
+    weight = costs.get("W") if split else None
+    return {"forward": forward, "forward_no_grad": f_remat if f_remat is not None else forward,
+            "backward": backward + (weight or 0.0), "recompute": max(recompute or 0.0, 0.0),
+            "backward_input": backward if split else None, "backward_weight": weight}
+
+
 def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Kendall's tau-a: (concordant - discordant) pairs over all pairs (ties count neither)."""
     pairs = list(itertools.combinations(range(len(xs)), 2))
@@ -203,10 +250,20 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
         if key not in by_key:
             continue
         predicted, actual = predict(profile, entry), by_key[key]["seconds"]
-        rows.append({"schedule": key[0], "checkpoint": key[1], "M": key[2],
-                     "measured_s": actual, "predicted_s": predicted,
-                     "error": predicted / actual - 1,
-                     "measured_samples": by_key[key]["samples"]})
+        row = {"schedule": key[0], "checkpoint": key[1], "M": key[2], "measured_s": actual,
+               "predicted_s": predicted, "error": predicted / actual - 1,
+               "measured_samples": by_key[key]["samples"]}
+        ran = by_key[key].get("in_pipeline_action_seconds")
+        if ran:  # the error split: the actions' costs against the replay's, and the schedule
+            stages = [stage_from_actions(costs) for costs in ran]
+            in_situ = predict(profile, {**entry, "stages": stages})
+            row.update(in_situ_predicted_s=in_situ, in_situ_error=in_situ / actual - 1,
+                       in_pipeline_over_replay=[
+                           {kind: st[kind] / mine[kind] for kind in ("forward", "backward")
+                            if st[kind] and mine[kind]}
+                           for st, mine in zip(stages, entry["stages"], strict=True)],
+                       wait_per_step=[costs["wait_per_step"] for costs in ran])
+        rows.append(row)
     for row in rows:  # throughput at M over throughput at M=1, same schedule and mode
         base = next((r for r in rows if (r["schedule"], r["checkpoint"], r["M"]) ==
                      (row["schedule"], row["checkpoint"], 1)), None)
@@ -225,8 +282,10 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
                          "too_slow": sum(e > 0 for e in errors)}
     errors = [abs(r["error"]) for r in rows]
     tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    in_situ = [abs(r["in_situ_error"]) for r in rows if "in_situ_error" in r]
     summary = {
         "configurations": len(rows),
+        "in_situ_median_abs_error": statistics.median(in_situ) if in_situ else None,
         "median_abs_error": statistics.median(errors) if errors else None,
         "worst_abs_error": max(errors) if errors else None,
         "kendall_tau": tau,
@@ -251,6 +310,9 @@ def print_report(name: str, report: dict[str, Any]) -> None:
         print(f"{r['M']:>3} {r['schedule']:<8}{r['checkpoint']:<12}{r['measured_s']:>9.4f}"
               f"{r['predicted_s']:>10.4f}{r['error']:>+7.1%}{norm}")
     s = report["summary"]
+    if s.get("in_situ_median_abs_error") is not None:
+        print(f"  from the actions' own in-pipeline costs (in situ): median |error| "
+              f"{s['in_situ_median_abs_error']:.1%}")
     print(f"  median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
           f"Kendall tau {s['kendall_tau']:.2f}, one sign at some M: {s['one_sign_at_some_M']}; "
           f"goals met: {s['goals_met']}")

@@ -92,10 +92,11 @@ def test_choose_batch_drops_the_largest_m_where_no_batch_keeps_the_floor() -> No
     from scripts.reproduce_throughput import choose_batch
 
     curves = {32: {1: 1.0, 4: 0.95, 8: 0.8, 32: 0.4}, 64: {1: 1.0, 4: 0.97, 8: 0.91, 32: 0.6}}
-    assert choose_batch(curves, [1, 4, 8]) == (64, [1, 4, 8])
-    assert choose_batch(curves, [1, 4, 8, 32]) == (64, [1, 4, 8])  # 32 dropped: none keeps 90%
-    assert choose_batch(curves, [1, 4, 8, 32], floor=0.96) == (64, [1, 4])
-    assert choose_batch(curves, [1, 8], floor=0.99) == (32, [1])
+    assert choose_batch(curves, [1, 4, 8]) == (64, [1, 4, 8], True)
+    assert choose_batch(curves, [1, 4, 8, 32]) == (64, [1, 4, 8], True)  # 32: none keeps 90%
+    assert choose_batch(curves, [1, 4, 8, 32], floor=0.96) == (64, [1, 4], True)
+    # No batch keeps 99% even at M=8: the largest batch, every M, and the floor not met.
+    assert choose_batch(curves, [1, 8], floor=0.99) == (64, [1, 8], False)
 
 
 def test_plan_choice_on_the_committed_results() -> None:

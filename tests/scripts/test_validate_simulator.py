@@ -78,5 +78,8 @@ def test_both_launches_write_their_json_and_the_report(tmp_path: Path) -> None:
     assert keys == {(s, c, m) for m in (1, 2) for s, c in CONFIGS}
     for row in report["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0 and len(row["measured_samples"]) == 1
+        # the error split: the same simulation from the actions' in-pipeline costs
+        assert row["in_situ_predicted_s"] > 0 and len(row["in_pipeline_over_replay"]) == 2
+        assert all(w >= 0 for w in row["wait_per_step"])
     assert set(report["per_M"]) == {"1", "2"} and -1 <= report["summary"]["kendall_tau"] <= 1
     assert "encoder: predicted (profile launch) against measured" in result.stdout
