@@ -77,6 +77,10 @@ def test_memory_search_respects_the_budget_and_finds_the_largest(tmp_path: Path)
         # each as a trial of this column says (the coarse search's or the fine one's).
         fits, over = cell["bracket"]["fits"], cell["bracket"]["does_not_fit"]
         ladder = cell["fine_ladder"]
+        if over is None:  # the ladder's top fits: nothing above it to bracket with
+            assert cell["index"] == len(tiny_ladder) - 1 and ladder == []
+            assert fits["size"] == cell["size"] == tiny_ladder[-1]
+            continue
         assert ladder[0] == tiny_ladder[cell["index"]]
         assert ladder[-1] == tiny_ladder[cell["index"] + 1]
         assert ladder.index(over["size"]) == ladder.index(fits["size"]) + 1
