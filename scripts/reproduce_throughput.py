@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ from gpipe_core.partition import optimal_balance
 from gpipe_core.remat import checkpoint_stop
 from scripts.harness import (
     LiveTensorBytes,
+    provenance,
     pyplot,
     save_figure,
     setup_process,
@@ -683,6 +685,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--families {' '.join(unknown)}: not one of {', '.join(families)}")
     started = time.monotonic()
+    load_before = os.getloadavg()
     report: dict[str, Any] = {"config": vars(args), "families": {}}
     for name in args.families:
         family, _ = families[name]
@@ -716,6 +719,7 @@ def main() -> None:
         print_family(report["families"][name])
     del args.family
     report["wall_seconds"] = time.monotonic() - started
+    report["provenance"] = provenance(load_before)
     out = Path(args.out)
     suffix = f"_{args.tag}" if args.tag else ""
     names = [f"throughput{suffix}.json", f"throughput{suffix}.png", f"simulator{suffix}.png"]

@@ -219,13 +219,8 @@ def test_w_before_i_and_twice_are_clear_errors() -> None:
         stage.backward_input(0, 0, [torch.ones_like(out)])
 
 
-def test_w_runs_only_the_parameter_branches() -> None:
-    # Count autograd nodes run in each pass: I runs the input path once, W only the
-    # boundaries again (for their parameter outputs) and the parameter-only nodes.
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(5)]).double()
-    x = leaf(3, 4)
-    out = model(x)
+def record_node_runs(out: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes of ``out``'s graph as they run, appended in order."""
     runs: list[str] = []
 
     def count(node):  # type: ignore[no-untyped-def]
@@ -235,6 +230,17 @@ def test_w_runs_only_the_parameter_branches() -> None:
                 count(child)
 
     count(out.grad_fn)
+    return runs
+
+
+def test_w_runs_only_the_parameter_branches() -> None:
+    # Count autograd nodes run in each pass: I runs the input path once, W only the
+    # boundaries again (for their parameter outputs) and the parameter-only nodes.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(5)]).double()
+    x = leaf(3, 4)
+    out = model(x)
+    runs = record_node_runs(out)
     grads, pending = backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
     first = list(runs)
     runs.clear()
@@ -261,15 +267,7 @@ def test_vector_only_groups_are_computed_by_i_and_w_skips_them() -> None:
                           nn.Linear(4, 4)).double()
     x = leaf(3, 4)
     out = model(x)
-    runs: list[str] = []
-
-    def count(node):  # type: ignore[no-untyped-def]
-        node.register_prehook(lambda _: runs.append(node.name()))
-        for child, _ in node.next_functions:
-            if child is not None and not hasattr(child, "variable"):
-                count(child)
-
-    count(out.grad_fn)
+    runs = record_node_runs(out)
     _, pending = backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
     norms = [model[0], model[3]]
     assert all(p.grad is not None for norm in norms for p in norm.parameters())  # after I

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from scripts.reproduce_throughput import CONFIGS, LayerCosts, fit_transfer
+from tests.scripts.published import assert_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,7 @@ def test_throughput_writes_measured_and_predicted_rows(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "throughput.json").read_text())
+    assert_provenance(report)
     family = report["families"]["amoebanet"]
     assert family["batch_size"] == 8
     efficiency = family["microbatch_efficiency"]
