@@ -233,6 +233,16 @@ def record_node_runs(out: torch.Tensor) -> list[str]:
     return runs
 
 
+def assert_gradients_of_a_fused_sum_backward(model: nn.Module, x: torch.Tensor) -> None:
+    """``model``'s parameter gradients equal those of one fused backward of ``model(x).sum()``."""
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():
+        p.grad = None
+    reference(x.detach().requires_grad_(True)).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL, msg=name)
+
+
 def test_w_runs_only_the_parameter_branches() -> None:
     # Count autograd nodes run in each pass: I runs the input path once, W only the
     # boundaries again (for their parameter outputs) and the parameter-only nodes.
@@ -250,12 +260,7 @@ def test_w_runs_only_the_parameter_branches() -> None:
     assert sorted(first) == sorted(["TanhBackward0", "AddmmBackward0"] * 5)
     # W: each addmm again (only its weight/bias outputs) and its weight's transpose; no tanh.
     assert sorted(runs) == sorted(["AddmmBackward0", "TBackward0"] * 5)
-    reference = copy.deepcopy(model)
-    for p in reference.parameters():
-        p.grad = None
-    reference(x.detach().requires_grad_(True)).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL, msg=name)
+    assert_gradients_of_a_fused_sum_backward(model, x)
 
 
 def test_vector_only_groups_are_computed_by_i_and_w_skips_them() -> None:
@@ -276,9 +281,4 @@ def test_vector_only_groups_are_computed_by_i_and_w_skips_them() -> None:
     pending.run()
     assert "NativeLayerNormBackward0" not in runs
     assert sorted(runs) == sorted(["AddmmBackward0", "TBackward0"] * 2)
-    reference = copy.deepcopy(model)
-    for p in reference.parameters():
-        p.grad = None
-    reference(x.detach().requires_grad_(True)).sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=TOL, msg=name)
+    assert_gradients_of_a_fused_sum_backward(model, x)
