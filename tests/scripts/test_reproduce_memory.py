@@ -97,8 +97,11 @@ def test_memory_search_respects_the_budget_and_finds_the_largest(tmp_path: Path)
     intervals = family["ratio_intervals"]
     assert set(intervals) == {"pipeline-1 / naive-1", "pipeline-2 / naive-1",
                               "pipeline-2 / pipeline-1"}
+    for name, (low, high) in intervals.items():
+        assert high is None or low <= high, (name, low, high)  # high None: the top fit
     low, high = intervals["pipeline-1 / naive-1"]
-    assert low <= cells["pipeline-1"]["ratio_to_naive"] <= high
+    assert low <= cells["pipeline-1"]["ratio_to_naive"]
+    assert high is None or cells["pipeline-1"]["ratio_to_naive"] <= high
     # Re-materialization alone already fits a larger model than the plain module.
     assert cells["pipeline-1"]["ratio_to_naive"] > 1
     assert cells["pipeline-2"]["parameters"] >= cells["pipeline-1"]["parameters"]
