@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apps.harness.checkpoints import holds_run
 from gpipe_core.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +39,7 @@ class Run:
     wall_minutes: float
     records: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    resumed: bool = False  # continued from a checkpoint: wall_minutes is this part's only
 
     def series(self, key: str) -> list[float]:
         return [float(r.get(key, math.nan)) for r in self.records]
@@ -51,28 +53,34 @@ def train(
     nproc: int = 2,
     timeout_s: float = 7200.0,
     fresh: bool = True,
+    resume: bool = False,
 ) -> Run:
     """Train ``apps.nmt.train`` with ``--key=value`` for each of ``settings`` on ``nproc`` ranks.
 
-    ``fresh`` deletes ``out_dir`` first (the trainer refuses to overwrite a run). Raises only if
-    the job could not start or ran past ``timeout_s``.
+    ``fresh`` deletes ``out_dir`` first (the trainer refuses to overwrite a run). ``resume``
+    instead continues a run that was stopped (a sweep killed mid-run) from its newest
+    checkpoint, if ``out_dir`` holds one (``--resume``: the same batches, the log cut back to
+    the checkpoint's step); without a checkpoint the run starts fresh. Raises only if the job
+    could not start or ran past ``timeout_s``.
     """
     out_dir = Path(out_dir)
-    if fresh and out_dir.exists():
+    resuming = resume and holds_run(out_dir)
+    if (fresh or resume) and not resuming and out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     args = [f"--{key}={_format(value)}" for key, value in settings.items()]
     args.append(f"--out_dir={out_dir}")
-    command = torchrun_command("apps.nmt.train", args, nproc=nproc)
+    command = torchrun_command("apps.nmt.train", args + ["--resume"] * resuming, nproc=nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     started = time.monotonic()
     log_path = out_dir.with_name(out_dir.name + ".out")
-    print(f"[{name}] {' '.join(args)}", file=sys.stderr, flush=True)
-    with log_path.open("w") as log:
+    print(f"[{name}] {' '.join(args)}{' --resume' if resuming else ''}", file=sys.stderr,
+          flush=True)
+    with log_path.open("a" if resuming else "w") as log:
         completed = subprocess.run(command, cwd=REPO, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
     run = Run(name, out_dir, dict(settings), completed.returncode,
-              (time.monotonic() - started) / 60)
+              (time.monotonic() - started) / 60, resumed=resuming)
     run.records = read_log(out_dir)
     summary_path = out_dir / "summary.json"
     if summary_path.exists():

@@ -281,7 +281,8 @@ def run_one(name: str, arch: str, settings: Mapping[str, Any], *, out: Path, run
     if quick:
         run = train_in_process(name, run_dir, settings)
     else:
-        run = train(name, run_dir, settings, nproc=config.num_stages, timeout_s=timeout_s)
+        run = train(name, run_dir, settings, nproc=config.num_stages, timeout_s=timeout_s,
+                    resume=True)
     if run.returncode != 0 or run.summary is None:
         raise SystemExit(f"error: run {name} failed (exit {run.returncode}); see {run_dir}.out "
                          "(no result written: the next call of the script retries it)")
@@ -297,6 +298,7 @@ def run_one(name: str, arch: str, settings: Mapping[str, Any], *, out: Path, run
         "parameters": count_parameters(build_model(config, device="meta")),
         "scaled_init": config.scaled_init,
         "steps": steps, "tokens": run.summary["tokens"], "stopped_by": run.summary["stopped_by"],
+        "resumed": run.resumed,  # continued from a checkpoint after the sweep was stopped
         "train_minutes": run.summary["train_minutes"],
         "tokens_per_second": run.summary["tokens_per_second"],
         "seconds_per_step": round(60 * run.summary["train_minutes"] / max(steps, 1), 4),

@@ -245,7 +245,8 @@ def run_one(name: str, settings: Mapping[str, Any], *, arm: str, out: Path, runs
     if in_process and nproc == 1:
         run = train_in_process(name, runs_dir / name, settings)
     else:
-        run = train(name, runs_dir / name, settings, nproc=nproc, timeout_s=timeout_s)
+        run = train(name, runs_dir / name, settings, nproc=nproc, timeout_s=timeout_s,
+                    resume=True)
     losses = cross_entropy_series(run.records)
     described = describe_losses(losses, warmup=config.warmup_steps, max_steps=config.max_steps,
                                 stopped_by_guard=stopped_as_diverged(run))
@@ -272,6 +273,7 @@ def run_one(name: str, settings: Mapping[str, Any], *, arm: str, out: Path, runs
         "max_steps": config.max_steps,
         "returncode": run.returncode,
         "wall_minutes": round(run.wall_minutes, 3),
+        "resumed": run.resumed,  # continued from a checkpoint: the wall time is the last part's
         "seconds_per_step": (round(60 * run.wall_minutes / len(run.records), 4)
                              if run.records else None),
         **described,

@@ -58,14 +58,18 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
         shutil.rmtree(old, ignore_errors=True)
 
 
-def refuse_existing_run(out_dir: Path) -> None:
-    """A fresh run must not overwrite another's checkpoints: ask for --resume or a new out_dir.
-
-    A run is there when ``latest`` is valid or a step folder holds a checkpoint; a damaged
-    ``latest`` alone (nothing to resume) does not stop a new run, which replaces it.
-    """
+def holds_run(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a run to resume: ``latest`` is valid or a step folder holds a
+    checkpoint. A damaged ``latest`` alone (nothing to resume) does not count."""
+    out_dir = Path(out_dir)
     name, _ = read_latest(out_dir)
-    if name is not None or any((p / "index.json").is_file() for p in out_dir.glob("step-*")):
+    return name is not None or any((p / "index.json").is_file() for p in out_dir.glob("step-*"))
+
+
+def refuse_existing_run(out_dir: Path) -> None:
+    """A fresh run must not overwrite another's checkpoints (:func:`holds_run`): ask for
+    --resume or a new out_dir. A new run replaces a damaged ``latest`` alone."""
+    if holds_run(out_dir):
         raise ConfigError(
             f"out_dir={out_dir} already holds a run (see {out_dir / LATEST}); pass --resume to "
             "continue it, or another --out_dir"

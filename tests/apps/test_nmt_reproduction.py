@@ -10,7 +10,7 @@ import pytest
 
 from apps.nmt.config import replace
 from scripts import reproduce_depth_width, reproduce_stability
-from scripts.nmt_runs import divergence_step, loss_spikes, write_result
+from scripts.nmt_runs import divergence_step, loss_spikes, train, write_result
 
 
 def tiny_settings(corpus: Path) -> list[str]:
@@ -112,6 +112,29 @@ def test_stability_quick_sweep_writes_one_result_per_run_and_resumes(corpus: Pat
     (out / f"post_neither_lr{reproduce_stability.QUICK_LRS[0]:g}_s0.json").unlink()
     again = reproduce_stability.main(args)
     assert again["ran_now"]["main"] == [f"post_neither_lr{reproduce_stability.QUICK_LRS[0]:g}_s0"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stopped_run_resumes_from_its_checkpoint_to_the_same_losses(corpus: Path,
+                                                                      tmp_path: Path) -> None:
+    """A sweep killed mid-run continues it (scripts.nmt_runs.train(resume=True)): the run
+    stopped at step 4 of 6 (its checkpoint at 4) ends with the losses of one that never
+    stopped; with nothing to resume, resume=True starts fresh."""
+    settings = {**reproduce_stability.QUICK, "data_dir": corpus, "packages": "none",
+                "vocab_size": 400, "log_every": 1, "ckpt_every": 2, "wandb_mode": "disabled"}
+    whole = train("whole", tmp_path / "whole", {**settings, "max_steps": 6}, nproc=1,
+                  timeout_s=300, resume=True)
+    assert whole.returncode == 0 and not whole.resumed
+    stopped = train("cut", tmp_path / "cut", {**settings, "max_steps": 4}, nproc=1,
+                    timeout_s=300)
+    assert stopped.returncode == 0 and len(stopped.records) == 4
+    resumed = train("cut", tmp_path / "cut", {**settings, "max_steps": 6}, nproc=1,
+                    timeout_s=300, resume=True)
+    assert resumed.returncode == 0 and resumed.resumed
+    assert "resumed from" in (tmp_path / "cut.out").read_text()
+    assert [r["step"] for r in resumed.records] == list(range(1, 7))
+    assert resumed.series("loss") == whole.series("loss")
 
 
 @pytest.mark.slow
