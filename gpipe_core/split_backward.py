@@ -17,10 +17,14 @@ edge towards parameters that leaves that path::
       |      \---> bias 1
       inputs
 
-:meth:`PendingWeights.run` (W) runs autograd from the boundaries to the parameters, one group at
-a time (parameters reached from the same boundaries form a group, so that an autograd call does
-not walk the input path from one boundary to another), accumulating into ``.grad`` as a fused
-backward does. Groups of vector parameters only (a norm's scale and shift, a lone bias) are
+:meth:`PendingWeights.run` (W) goes from the boundaries to the parameters, one group at a time
+(parameters reached from the same boundaries form a group), accumulating into ``.grad`` as a
+fused backward does. Where every boundary of a group is a linear layer's matrix product or a
+convolution, W computes their parameter outputs from what the node saved
+(:mod:`gpipe_core.weight_grads`) and adds them to ``.grad`` directly: no autograd call, whose
+engine would first walk the whole graph below the boundary (O(layers) per group, O(layers^2)
+per W). Other groups take an autograd call from their boundaries (so that it does not walk the
+input path from one boundary to another). Groups of vector parameters only (a norm's scale and shift, a lone bias) are
 not worth an autograd call of their own: I computes their gradient on its way (their node is
 on the input path; the gradient is a reduction over the batch) and W skips them. Only the boundary nodes run twice, and the second time only for their parameter
 outputs. Roots that do not lead to any input are boundaries too, with the roots' gradients. A
@@ -33,6 +37,7 @@ activation per boundary).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from . import weight_grads
 
 __all__ = ["PendingWeights", "backward_input"]
 
@@ -53,6 +60,8 @@ class _Group:
         self.params: list[Tensor] = []
         self.boundaries: list[Node] = []  # on the input path: gradients captured by I
         self.roots: list[tuple[GradientEdge, Tensor]] = []  # off the path: the roots' own
+        self.branches: set[Node] = set()  # off the path, leading to the group's parameters
+        self.starts: list[Node] = []  # the boundaries and roots, each once
 
 
 class PendingWeights:
@@ -67,6 +76,8 @@ class PendingWeights:
         groups, captured = self._groups, self._captured
         self._groups, self._captured = [], {}
         for group in groups:
+            if _run_directly(group, captured):
+                continue
             edges: list[GradientEdge] = [edge for edge, _ in group.roots]
             grads: list[Tensor] = [grad for _, grad in group.roots]
             for node in group.boundaries:
@@ -136,6 +147,57 @@ def backward_input(
     return result, PendingWeights(groups, captured)
 
 
+def _run_directly(group: _Group, captured: dict[Node, tuple[Tensor | None, ...]]) -> bool:
+    """W for ``group`` without an autograd call at its boundaries, if every boundary is a node
+    whose parameter outputs :mod:`gpipe_core.weight_grads` computes from what the node saved
+    (a linear layer's addmm, a convolution): each output then goes into its branch (straight
+    into ``.grad`` through an accumulator or a transpose, else an autograd call from the
+    branch, which walks only the branch). False, having done nothing, for any other group."""
+    if group.roots:
+        return False
+    plan = []
+    for node in group.boundaries:
+        wanted = [i for i, (child, _) in enumerate(node.next_functions)
+                  if child is not None and child in group.branches]
+        if not weight_grads.knows(node, wanted):
+            return False
+        plan.append((node, wanted))
+    targets = {id(p) for p in group.params}
+    for node, wanted in plan:
+        grad = captured[node][0]
+        if grad is None or not wanted:
+            continue
+        outputs = weight_grads.parameter_outputs(node, grad, wanted)
+        for index in wanted:
+            child, input_nr = node.next_functions[index]
+            assert child is not None  # a branch
+            _into_branch(child, input_nr, outputs[index], targets, group.params)
+    return True
+
+
+def _into_branch(child: Node, input_nr: int, grad: Tensor, targets: set[int],
+                 params: list[Tensor]) -> None:
+    """Deliver ``grad`` along the edge into ``child``, as the engine would: into the
+    parameter's ``.grad`` when ``child`` is its accumulator (or a transpose of it) and the
+    parameter has no hooks; else by an autograd call rooted at the edge."""
+    transpose = child.name() == "TBackward0"
+    accumulator = child.next_functions[0][0] if transpose else child
+    variable = getattr(accumulator, "variable", None)
+    if variable is not None and id(variable) in targets and not _has_hooks(variable):
+        with torch.no_grad():
+            grad = grad.t() if transpose else grad
+            if grad.shape != variable.shape:  # a broadcast bias: the engine's sum_to
+                grad = grad.sum_to_size(variable.shape)
+            _accumulate(variable, grad)
+        return
+    torch.autograd.backward([GradientEdge(child, input_nr)], [grad], inputs=params,
+                            retain_graph=True)
+
+
+def _has_hooks(param: Tensor) -> bool:
+    return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 def _worth_deferring(group: _Group) -> bool:
     """Whether W should compute this group's gradient rather than I. A matrix or a kernel
     (a parameter of two or more dimensions) has a gradient that is a product as large as its
@@ -151,8 +213,8 @@ def _accumulate(param: Tensor, grad: Tensor | None) -> None:
     """Add ``grad`` into ``param.grad`` as a fused backward's accumulation does."""
     if grad is None:
         return
-    if param.grad is None:
-        param.grad = grad.detach().clone()
+    if param.grad is None:  # in the parameter's layout, as autograd's accumulator makes it
+        param.grad = torch.empty_like(param).copy_(grad)
     else:
         param.grad += grad
 
@@ -196,6 +258,12 @@ def _reaching(targets: Sequence[Node], parents: dict[Node, list[Node]]) -> set[N
     return found
 
 
+@functools.cache
+def _accumulator_type() -> type:
+    """The class of the autograd node that accumulates into a leaf's ``.grad``."""
+    return type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)
+
+
 def _group_params(
     params: Sequence[Tensor],
     parents: dict[Node, list[Node]],
@@ -209,10 +277,12 @@ def _group_params(
     for edge, grad in zip(root_edges, root_grads, strict=True):
         roots_by_node.setdefault(edge.node, []).append((edge, grad))
     group_of: dict[Node, _Group] = {}  # boundary or root node -> its group
-    groups: list[_Group] = []
+    groups: dict[int, _Group] = {}  # by id, in the order they were made
+    accumulators = {id(n.variable): n for n in parents  # type: ignore[attr-defined]
+                    if type(n) is _accumulator_type()}
     for param in params:
-        node = get_gradient_edge(param).node
-        if node not in parents:
+        node = accumulators.get(id(param))
+        if node is None:
             continue  # no gradient reaches it (as in a fused backward, .grad is untouched)
         starts: list[Node] = []  # the boundaries and off-path roots above this parameter
         seen = {node}
@@ -230,18 +300,23 @@ def _group_params(
                     queue.append(parent)
         merged = _Group()
         merged.params.append(param)
+        merged.branches = {n for n in seen if n not in on_path}
         for start in starts:  # merge with the groups already starting there
             other = group_of.get(start)
             if other is not None and other is not merged:
                 merged.params.extend(other.params)
-                for key in [k for k, g in group_of.items() if g is other]:
+                merged.branches |= other.branches
+                for key in other.starts:
                     group_of[key] = merged
-                groups.remove(other)
-            group_of[start] = merged
-        groups.append(merged)
+                merged.starts.extend(other.starts)
+                del groups[id(other)]
+            if group_of.get(start) is not merged:
+                group_of[start] = merged
+                merged.starts.append(start)
+        groups[id(merged)] = merged
     for start, group in group_of.items():
         if start in on_path:
             group.boundaries.append(start)
         else:
             group.roots.extend(roots_by_node[start])
-    return groups, [node for node in group_of if node in on_path]
+    return list(groups.values()), [node for node in group_of if node in on_path]
