@@ -75,7 +75,7 @@ class PendingWeights:
         """Accumulate every parameter's gradient into ``.grad``; then forget the graph."""
         groups, captured = self._groups, self._captured
         self._groups, self._captured = [], {}
-        for group in groups:
+        for index, group in enumerate(groups):
             if _run_directly(group, captured):
                 continue
             edges: list[GradientEdge] = [edge for edge, _ in group.roots]
@@ -94,7 +94,9 @@ class PendingWeights:
                 for node in group.boundaries
             ] if len(group.boundaries) > 1 else []
             try:
-                torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
+                # the last group's call may free the buffers of the nodes it runs, as B does
+                torch.autograd.backward(edges, grads, inputs=group.params,
+                                        retain_graph=index < len(groups) - 1)
             finally:
                 for handle in handles:
                     handle.remove()
@@ -114,6 +116,13 @@ def backward_input(
     """
     grads = [torch.ones_like(t) if g is None else g for t, g in zip(roots, root_grads, strict=True)]
     root_edges = [get_gradient_edge(t) for t in roots]
+    if not any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
+        # No input needs a gradient (a first stage): I has nothing to do and W is the whole
+        # backward, one autograd call from the roots; no analysis of the graph.
+        whole = _Group()
+        whole.params = list(params)
+        whole.roots = list(zip(root_edges, grads, strict=True))
+        return [None] * len(inputs), PendingWeights([whole] if roots else [], {})
     parents = _parents([edge.node for edge in root_edges])
     wanted = [(i, x) for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
     input_nodes = [get_gradient_edge(x).node for _, x in wanted]
@@ -121,7 +130,7 @@ def backward_input(
     groups, _ = _group_params(params, parents, on_path, root_edges, grads)
     runs_path = bool(wanted and on_path)
     now = [g for g in groups if runs_path and not _worth_deferring(g)]
-    groups = [g for g in groups if not any(g is e for e in now)]
+    groups = [g for g in groups if not (runs_path and not _worth_deferring(g))]
     eager = [p for g in now for p in g.params]
     boundaries = list({node: None for g in groups for node in g.boundaries})
     captured: dict[Node, tuple[Tensor | None, ...]] = {}

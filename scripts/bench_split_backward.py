@@ -1,16 +1,24 @@
 """What the backward split in two costs: I then W against the fused B, on one stage.
 
-A middle stage (its input needs a gradient) of ``--blocks`` pre-norm MLP blocks or Transformer
-encoder layers, one micro-batch, one thread. Each round runs one forward + B, and one forward +
-I + W, per re-materialization mode (round-robin, so that load drifts touch all alike), and
-reports the median seconds of B, I, W and I + W. Zero-bubble schedules pay I + W - B extra per
-micro-batch for moving W off the critical path. Writes the medians with every round's samples to
-``--out`` and, with ``scripts.harness.provenance`` (commit, torch, UTC time, machine, load
-before and after), to ``--json`` (default ``docs/reproduction/split_backward_<model>.json``,
-the file the pages cite).
+``--model mlp|transformer``: a middle stage (its input needs a gradient) of ``--blocks``
+pre-norm MLP blocks or ``nn.TransformerEncoderLayer``s, in both re-materialization modes.
+``--model nmt_app|amoebanet_app``: both stages of Table 2's CPU models cut in two
+(``scripts.reproduction.THROUGHPUT_FAMILIES``: the NMT app's 12 + 12 layers, AmoebaNet-D(12, 24)),
+at the micro-batch of M=8 (4 sentence pairs or images); the first stage's input needs no
+gradient (its I is empty, its W the whole backward), the second ends in the loss.
 
-    python scripts/bench_split_backward.py [--model mlp|transformer --blocks 4 --width 256
-                                            --batch 16 --seq 32 --rounds 30]
+Each round runs one forward + B, one forward + I + W, and one forward + I + W with W by an
+autograd call at every boundary (``--no-direct``'s engine path, what W did before it computed
+linear and convolution weight gradients from their saved inputs): round-robin, so that load
+drifts touch all alike; one thread. It reports the median seconds of B, I, W and I + W; a
+zero-bubble schedule pays I + W - B per micro-batch for moving W off the critical path.
+Writes the medians with every round's samples to ``--out`` and, with
+``scripts.harness.provenance`` (commit, torch, UTC time, machine, load before and after), to
+``--json`` (default ``docs/reproduction/split_backward_<model>.json``, the file the pages cite).
+
+    python scripts/bench_split_backward.py [--model mlp|transformer|nmt_app|amoebanet_app
+                                            --blocks 4 --width 256 --batch 16 --seq 32
+                                            --rounds 30]
 """
 
 from __future__ import annotations
@@ -19,11 +27,15 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gpipe_core import split_backward
+from gpipe_core.microbatch import flatten, unflatten
 from gpipe_core.stage import Stage
 from scripts.bench_pipeline import Block  # pre-norm residual MLP block
 from scripts.harness import provenance, write_json
@@ -38,23 +50,83 @@ def build(model: str, blocks: int, width: int) -> list[tuple[str, nn.Module]]:
             for i in range(blocks)]
 
 
-def measure(stage: Stage, x: Tensor, grad: Tensor, step: int, split: bool) -> list[float]:
+@dataclass
+class Case:
+    """One stage to time: its input (a leaf that needs a gradient unless the first stage's),
+    and the gradient of its output (None: the stage ends in its loss, with ``targets``)."""
+
+    name: str
+    stage: Stage
+    inputs: Any
+    grad: Tensor | None
+    targets: Any = None
+
+
+def blocks_cases(args: argparse.Namespace) -> list[Case]:
+    x = torch.randn(args.batch, args.seq, args.width).requires_grad_(True)
+    grad = torch.randn(args.batch, args.seq, args.width)
+    return [Case(mode, Stage(build(args.model, args.blocks, args.width), stage_index=1,
+                             num_stages=3, first_layer_index=0, device=torch.device("cpu"),
+                             checkpoint=mode, seed=0), x, grad)
+            for mode in ("never", "always")]
+
+
+def app_cases(args: argparse.Namespace) -> list[Case]:
+    """The two stages of Table 2's model of the app, cut at the middle layer, checkpoint never."""
+    import gpipe_core as gp
+    from gpipe_core.partition import split_module
+    from scripts.reproduction import THROUGHPUT_FAMILIES
+
+    family, size = THROUGHPUT_FAMILIES[APP_FAMILIES[args.model]]
+    model = gp.materialize(family.build(size), seed=0)
+    inputs, targets = family.batch(family.batch_size // 8)
+    half = len(model) // 2
+    first, second = split_module(model, [half, len(model) - half])
+    cpu = torch.device("cpu")
+    stage0 = Stage(first, stage_index=0, num_stages=2, first_layer_index=0, device=cpu,
+                   checkpoint="never", seed=0)
+    stage1 = Stage(second, stage_index=1, num_stages=2, first_layer_index=half, device=cpu,
+                   checkpoint="never", seed=0, loss_fn=family.loss_fn)
+    with torch.no_grad():
+        stage0.begin_step(-1, 1)
+        middle = stage0.forward(-1, 0, inputs)
+    leaves, spec = flatten(middle)
+    middle = unflatten([x.detach().requires_grad_(x.is_floating_point()) for x in leaves], spec)
+    grads = [torch.randn_like(x) if x.is_floating_point() else None for x in leaves]
+    return [Case("stage0", stage0, inputs, grads),  # type: ignore[arg-type]
+            Case("stage1", stage1, middle, None, targets)]
+
+
+APP_FAMILIES = {"nmt_app": "transformer", "amoebanet_app": "amoebanet"}
+KINDS = ("B", "I+W", "I+W autograd")
+
+
+def measure(case: Case, step: int, kind: str) -> list[float]:
     """Seconds of B, or of I and W, for one micro-batch (after its forward)."""
+    stage = case.stage
     stage.begin_step(step, 1)
-    stage.forward(step, 0, x)
+    stage.forward(step, 0, case.inputs, case.targets)
+    grads = None if case.grad is None else (
+        case.grad if isinstance(case.grad, list) else [case.grad])
     start = time.perf_counter()
-    if not split:
-        stage.backward(step, 0, [grad])
+    if kind == "B":
+        stage.backward(step, 0, grads)
         return [time.perf_counter() - start]
-    stage.backward_input(step, 0, [grad])
-    middle = time.perf_counter()
-    stage.backward_weight(step, 0)
+    direct = split_backward._run_directly
+    if kind == "I+W autograd":  # every group through autograd, as before weight_grads
+        split_backward._run_directly = lambda group, captured: False  # type: ignore[assignment]
+    try:
+        stage.backward_input(step, 0, grads)
+        middle = time.perf_counter()
+        stage.backward_weight(step, 0)
+    finally:
+        split_backward._run_directly = direct  # type: ignore[assignment]
     return [middle - start, time.perf_counter() - middle]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "transformer", *APP_FAMILIES], default="mlp")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
@@ -69,36 +141,41 @@ def main() -> None:
         args.json = f"docs/reproduction/split_backward_{args.model}.json"
     torch.set_num_threads(1)
     load_before = os.getloadavg()
-    stages = {
-        mode: Stage(build(args.model, args.blocks, args.width), stage_index=1, num_stages=3,
-                    first_layer_index=0, device=torch.device("cpu"), checkpoint=mode, seed=0)
-        for mode in ("never", "always")
-    }
-    x = torch.randn(args.batch, args.seq, args.width).requires_grad_(True)
-    grad = torch.randn(args.batch, args.seq, args.width)
+    cases = app_cases(args) if args.model in APP_FAMILIES else blocks_cases(args)
     samples: dict[tuple[str, str], list[list[float]]] = {
-        (mode, kind): [] for mode in stages for kind in ("B", "I+W")
+        (case.name, kind): [] for case in cases for kind in KINDS
     }
     for round_ in range(args.rounds + 2):  # two warm rounds
-        for (mode, kind), rows in samples.items():
-            seconds = measure(stages[mode], x, grad, round_, split=kind == "I+W")
-            if round_ >= 2:
-                rows.append(seconds)
-    print(f"{args.model}: {args.blocks} blocks, width {args.width}, micro-batch "
-          f"{args.batch}x{args.seq}, 1 thread, median of {args.rounds} rounds (ms)")
-    print(f"{'checkpoint':<11}{'B':>8}{'I':>8}{'W':>8}{'I+W':>8}{'(I+W)/B':>9}")
+        for case in cases:
+            for kind in KINDS:
+                seconds = measure(case, round_, kind)
+                if round_ >= 2:
+                    samples[(case.name, kind)].append(seconds)
+    print(f"{args.model}: median of {args.rounds} rounds, 1 thread (ms); W autograd: an "
+          "autograd call at every boundary")
+    print(f"{'stage':<9}{'B':>8}{'I':>8}{'W':>8}{'I+W':>8}{'(I+W)/B':>9}"
+          f"{'W autograd':>12}{'(I+W)/B':>9}")
     report = []
-    for mode in stages:
-        b = statistics.median(r[0] for r in samples[(mode, "B")])
-        i = statistics.median(r[0] for r in samples[(mode, "I+W")])
-        w = statistics.median(r[1] for r in samples[(mode, "I+W")])
-        both = statistics.median(r[0] + r[1] for r in samples[(mode, "I+W")])
-        print(f"{mode:<11}{b * 1e3:>8.2f}{i * 1e3:>8.2f}{w * 1e3:>8.2f}{both * 1e3:>8.2f}"
-              f"{both / b:>9.2f}")
-        report.append({"checkpoint": mode, "B": b, "I": i, "W": w, "I+W": both,
-                       "samples": {"B": [r[0] for r in samples[(mode, "B")]],
-                                   "I": [r[0] for r in samples[(mode, "I+W")]],
-                                   "W": [r[1] for r in samples[(mode, "I+W")]]}})
+    for case in cases:
+        fused = [r[0] for r in samples[(case.name, "B")]]
+        split, engine = samples[(case.name, "I+W")], samples[(case.name, "I+W autograd")]
+        b = statistics.median(fused)
+        i = statistics.median(r[0] for r in split)
+        w = statistics.median(r[1] for r in split)
+        both = statistics.median(r[0] + r[1] for r in split)
+        w_engine = statistics.median(r[1] for r in engine)
+        both_engine = statistics.median(r[0] + r[1] for r in engine)
+        print(f"{case.name:<9}{b * 1e3:>8.2f}{i * 1e3:>8.2f}{w * 1e3:>8.2f}{both * 1e3:>8.2f}"
+              f"{both / b:>9.2f}{w_engine * 1e3:>12.2f}{both_engine / b:>9.2f}")
+        report.append({"checkpoint" if args.model not in APP_FAMILIES else "stage": case.name,
+                       "B": b, "I": i, "W": w, "I+W": both,
+                       "W_autograd": w_engine, "I+W_autograd": both_engine,
+                       "W_rounds_won_by_direct": sum(a[1] < e[1]
+                                                     for a, e in zip(split, engine, strict=True)),
+                       "samples": {"B": fused, "I": [r[0] for r in split],
+                                   "W": [r[1] for r in split],
+                                   "I_autograd": [r[0] for r in engine],
+                                   "W_autograd": [r[1] for r in engine]}})
     result = {"provenance": provenance(load_before), "config": vars(args), "rows": report}
     out = Path(args.out)
     write_json(out / f"{args.model}.json", result)

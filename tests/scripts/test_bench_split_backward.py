@@ -30,7 +30,29 @@ def test_bench_split_backward_publishes_samples(tmp_path: Path, model: str) -> N
     assert_provenance(report)
     assert report["config"]["rounds"] == 3
     assert [r["checkpoint"] for r in report["rows"]] == ["never", "always"]
-    for row in report["rows"]:
-        for kind in ("B", "I", "W"):
-            assert len(row["samples"][kind]) == 3 and all(s > 0 for s in row["samples"][kind])
-            assert row[kind] == pytest.approx(sorted(row["samples"][kind])[1])
+    assert_rows(report["rows"], rounds=3)
+
+
+def assert_rows(rows: list[dict], rounds: int) -> None:  # type: ignore[type-arg]
+    for row in rows:
+        for kind in ("B", "I", "W", "I_autograd", "W_autograd"):
+            samples = row["samples"][kind]
+            assert len(samples) == rounds and all(s > 0 for s in samples)
+        for kind in ("B", "I", "W", "W_autograd"):
+            assert row[kind] == pytest.approx(sorted(row["samples"][kind])[rounds // 2])
+        assert 0 <= row["W_rounds_won_by_direct"] <= rounds
+
+
+def test_bench_split_backward_on_the_apps_stages(tmp_path: Path) -> None:
+    published = tmp_path / "split_backward.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_split_backward.py"), "--model",
+         "amoebanet_app", "--rounds", "1", "--out", str(tmp_path / "out"),
+         "--json", str(published)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(published.read_text())
+    assert_provenance(report)
+    assert [r["stage"] for r in report["rows"]] == ["stage0", "stage1"]
+    assert_rows(report["rows"], rounds=1)
