@@ -10,7 +10,7 @@ ARGS ?=
 
 .PHONY: install test test-fast test-unit lint smoke train-nmt eval-nmt translate train-amoebanet \
         eval-amoebanet classify \
-        bench bench-overhead bench-pipeline bench-decoding reproduce-stability reproduce-depth-width \
+        bench bench-overhead bench-pipeline bench-protocol bench-decoding reproduce-stability reproduce-depth-width \
         reproduce-memory reproduce-throughput validate-simulator reproduce-app-pipelines \
         reproduce-paper-scale \
         demo-large-nmt reproduce-defaults clean
@@ -76,6 +76,11 @@ bench-overhead: install
 # docs/reproduction/bench_pipeline.json (every round's sample, provenance) and out/bench_pipeline/.
 bench-pipeline: install
 	$(PY) scripts/bench_pipeline.py
+
+# Issue 26's protocol: bench-pipeline's comparison with torch.distributed.pipelining at K=2, M=8,
+# three independent launches per model family; resumes from the runs' JSON (about 30 minutes).
+bench-protocol: install
+	$(PY) scripts/bench_protocol.py $(ARGS)
 
 # Pipelined NMT decoding (K=2, G groups in flight) against one process with 1 and 2 threads;
 # writes docs/reproduction/decoding.json (about 2 minutes on 2 idle cores).
