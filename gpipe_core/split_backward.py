@@ -24,10 +24,10 @@ convolution, W computes their parameter outputs from what the node saved
 (:mod:`gpipe_core.weight_grads`) and adds them to ``.grad`` directly: no autograd call, whose
 engine would first walk the whole graph below the boundary (O(layers) per group, O(layers^2)
 per W). Other groups take an autograd call from their boundaries (so that it does not walk the
-input path from one boundary to another). Groups of vector parameters only (a norm's scale and shift, a lone bias) are
-not worth an autograd call of their own: I computes their gradient on its way (their node is
-on the input path; the gradient is a reduction over the batch) and W skips them. Only the boundary nodes run twice, and the second time only for their parameter
-outputs. Roots that do not lead to any input are boundaries too, with the roots' gradients. A
+input path from one boundary to another). Groups of vector parameters only (a norm's scale
+and shift, a lone bias) are not worth W's time: I computes their gradient on its way (their
+node is on the input path; the gradient is a reduction over the batch) and W skips them. Only
+the boundary nodes run twice, and the second time only for their parameter outputs. Roots that do not lead to any input are boundaries too, with the roots' gradients. A
 stage whose inputs need no gradient (the first) thus does nothing in I and its whole backward
 in W.
 
@@ -129,8 +129,11 @@ def backward_input(
     on_path = _reaching(input_nodes, parents)
     groups, _ = _group_params(params, parents, on_path, root_edges, grads)
     runs_path = bool(wanted and on_path)
-    now = [g for g in groups if runs_path and not _worth_deferring(g)]
-    groups = [g for g in groups if not (runs_path and not _worth_deferring(g))]
+    now: list[_Group] = []  # computed by I on its way; the rest wait for W
+    later: list[_Group] = []
+    for group in groups:
+        (now if runs_path and not _worth_deferring(group) else later).append(group)
+    groups = later
     eager = [p for g in now for p in g.params]
     boundaries = list({node: None for g in groups for node in g.boundaries})
     captured: dict[Node, tuple[Tensor | None, ...]] = {}

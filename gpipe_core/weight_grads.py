@@ -8,8 +8,8 @@ root (the whole graph below the boundary), so a stage of n layers pays O(n) per 
 per W. Here each output is the formula autograd itself uses (``derivatives.yaml``), applied to
 the node's saved tensors: one matrix product per weight, nothing walked.
 
-:func:`parameter_outputs` answers for the node types it knows and returns None for the others
-(the caller then uses the engine).
+:func:`knows` says whether a node's class and outputs have a formula here; for the others the
+caller uses the engine.
 """
 
 from __future__ import annotations
