@@ -78,7 +78,7 @@ bench-pipeline: install
 	$(PY) scripts/bench_pipeline.py
 
 # Issue 26's protocol: bench-pipeline's comparison with torch.distributed.pipelining at K=2, M=8,
-# three independent launches per model family; resumes from the runs' JSON (about 30 minutes).
+# three independent launches per model family; resumes from the runs' JSON (50 minutes here).
 bench-protocol: install
 	$(PY) scripts/bench_protocol.py $(ARGS)
 

@@ -8,8 +8,8 @@ at the micro-batch of M=8 (4 sentence pairs or images); the first stage's input 
 gradient (its I is empty, its W the whole backward), the second ends in the loss.
 
 Each round runs one forward + B, one forward + I + W, and one forward + I + W with W by an
-autograd call at every boundary (``--no-direct``'s engine path, what W did before it computed
-linear and convolution weight gradients from their saved inputs): round-robin, so that load
+autograd call at every boundary (what W did before it computed linear and convolution weight
+gradients from their saved inputs; the benchmark switches ``split_backward``'s direct path off): round-robin, so that load
 drifts touch all alike; one thread. It reports the median seconds of B, I, W and I + W; a
 zero-bubble schedule pays I + W - B per micro-batch for moving W off the critical path.
 Writes the medians with every round's samples to ``--out`` and, with
@@ -58,7 +58,7 @@ class Case:
     name: str
     stage: Stage
     inputs: Any
-    grad: Tensor | None
+    grads: list[Tensor | None] | None
     targets: Any = None
 
 
@@ -67,7 +67,7 @@ def blocks_cases(args: argparse.Namespace) -> list[Case]:
     grad = torch.randn(args.batch, args.seq, args.width)
     return [Case(mode, Stage(build(args.model, args.blocks, args.width), stage_index=1,
                              num_stages=3, first_layer_index=0, device=torch.device("cpu"),
-                             checkpoint=mode, seed=0), x, grad)
+                             checkpoint=mode, seed=0), x, [grad])
             for mode in ("never", "always")]
 
 
@@ -92,8 +92,9 @@ def app_cases(args: argparse.Namespace) -> list[Case]:
         middle = stage0.forward(-1, 0, inputs)
     leaves, spec = flatten(middle)
     middle = unflatten([x.detach().requires_grad_(x.is_floating_point()) for x in leaves], spec)
-    grads = [torch.randn_like(x) if x.is_floating_point() else None for x in leaves]
-    return [Case("stage0", stage0, inputs, grads),  # type: ignore[arg-type]
+    grads: list[Tensor | None] = [torch.randn_like(x) if x.is_floating_point() else None
+                                  for x in leaves]
+    return [Case("stage0", stage0, inputs, grads),
             Case("stage1", stage1, middle, None, targets)]
 
 
@@ -106,8 +107,7 @@ def measure(case: Case, step: int, kind: str) -> list[float]:
     stage = case.stage
     stage.begin_step(step, 1)
     stage.forward(step, 0, case.inputs, case.targets)
-    grads = None if case.grad is None else (
-        case.grad if isinstance(case.grad, list) else [case.grad])
+    grads = case.grads
     start = time.perf_counter()
     if kind == "B":
         stage.backward(step, 0, grads)
