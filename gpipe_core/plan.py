@@ -114,6 +114,7 @@ def plan(
     stages: Sequence[int] | None = None,
     microbatches: Sequence[int] | None = None,
     checkpoints: Sequence[str] = CHECKPOINTS,
+    balance: Sequence[int] | None = None,
 ) -> list[Plan]:
     """All feasible plans, fastest first; raises :class:`NoPlanFits` if none fits.
 
@@ -141,7 +142,9 @@ def plan(
     it, half. ``backward_input`` with it: I as measured, so that I + W may cost more than B
     (the split's own overhead, which can make a zero-bubble schedule slower than 1F1B). ``stages``: the device counts K to try (default 1 to ``max_stages``);
     ``microbatches``: the M to try (default every divisor of the batch); ``checkpoints``: the
-    re-materialization modes to try.
+    re-materialization modes to try. ``balance``: a fixed split (layers per stage, e.g. one
+    already running) instead of the balanced one; only layouts with ``len(balance)`` stages
+    are planned.
     """
     if schedule == "all":
         names = [name for name in SCHEDULE_NAMES if name not in ("fill_drain", "one_f_one_b",
@@ -216,11 +219,20 @@ def plan(
     for name, values in (("backward_weight", backward_weight), ("backward_input", backward_input)):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} values for {n} layers")
+    if balance is not None:
+        balance = [int(b) for b in balance]
+        if sum(balance) != n or min(balance) < 1:
+            raise ValueError(f"balance {balance} must give every one of the {n} layers to a "
+                             f"stage, at least one each (it sums to {sum(balance)})")
+        if not any(k * v == len(balance) for k in counts for _, v in layouts):
+            raise ValueError(f"balance has {len(balance)} stages but the layouts tried have "
+                             f"{sorted({k * v for k in counts for _, v in layouts})}; give "
+                             f"stages=[{len(balance)}] (or K with K x V = {len(balance)})")
     plans: list[Plan] = []
     smallest = float("inf")
     for k in counts:
         for name, v in layouts:
-            if k * v <= n:
+            if k * v <= n and (balance is None or k * v == len(balance)):
                 found, least = _plans_for(
                     name, k, v, forward=forward, backward=backward,
                     activation_bytes=activation_bytes, input_bytes=input_bytes,
@@ -228,7 +240,7 @@ def plan(
                     per_action_overhead=per_action_overhead, transfer=transfer,
                     microbatch_costs=microbatch_costs, backward_weight=backward_weight,
                     backward_input=backward_input, checkpoints=checkpoints, stage_kept=stage_kept,
-                    boundary_bytes=boundary_bytes, device=device)
+                    boundary_bytes=boundary_bytes, device=device, balance=balance)
                 plans += found
                 smallest = min(smallest, least)
     if not plans:
@@ -306,12 +318,15 @@ def _plans_for(
     stage_kept: Callable[[int, int], float] | None,
     boundary_bytes: Sequence[float] | None,
     device: Device | None,
+    balance: Sequence[int] | None = None,
 ) -> tuple[list[Plan], float]:
     """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
     the smallest peak memory of any of its configurations (fitting or not)."""
     num_stages = k * v
-    balance = list(optimal_balance([f + b for f, b in zip(forward, backward, strict=True)],
-                                   num_stages))
+    if balance is None:
+        balance = optimal_balance([f + b for f, b in zip(forward, backward, strict=True)],
+                                  num_stages)
+    balance = list(balance)
     bounds = [sum(balance[:i]) for i in range(num_stages + 1)]
     stages = list(zip(bounds[:-1], bounds[1:], strict=True))
 

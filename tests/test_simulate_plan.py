@@ -101,6 +101,26 @@ def test_plan_prefers_more_stages_and_respects_the_budget() -> None:
         plan(memory_budget=10.0, **kwargs)  # type: ignore[arg-type]
 
 
+def test_plan_with_a_fixed_balance_times_and_sizes_that_split() -> None:
+    # Layers of unequal cost: the balanced split is [3, 1]; a user's [2, 2] leaves stage 0
+    # with 2 + 2 = 4 units of forward where the balanced one has 3, and holds 2 layers'
+    # parameters (100 bytes) where the balanced one holds 150.
+    kwargs = dict(forward=[1.0, 1.0, 1.0, 3.0], backward=[2.0, 2.0, 2.0, 6.0],
+                  activation_bytes=[0.0] * 4, input_bytes=[0.0] * 4, param_bytes=[50.0] * 4,
+                  batch_size=4, stages=[2], microbatches=[1], checkpoints=["never"],
+                  memory_budget=1e9)
+    balanced = plan(**kwargs)[0]  # type: ignore[arg-type]
+    fixed = plan(balance=[2, 2], **kwargs)[0]  # type: ignore[arg-type]
+    assert balanced.balance == [3, 1] and fixed.balance == [2, 2]
+    assert balanced.param_bytes == [150.0, 50.0] and fixed.param_bytes == [100.0, 100.0]
+    # M = 1 runs the stages one after the other either way: 3 x (1 + 2) + 1 x (3 + 6) = 18
+    assert balanced.step_time == pytest.approx(18.0) and fixed.step_time == pytest.approx(18.0)
+    with pytest.raises(ValueError, match="sums to 3"):
+        plan(balance=[2, 1], **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"give stages=\[3\]"):
+        plan(balance=[2, 1, 1], **kwargs)  # type: ignore[arg-type]
+
+
 def test_hand_computed_timeline_with_transfer_and_rematerialization() -> None:
     # gpipe(2, 2), except_last: micro-batch 0 is re-materialized, 1 is not. By hand:
     #   stage 0: F0 0-0.8 (no autograd), F1 0.8-1.8

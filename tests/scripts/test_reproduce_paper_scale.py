@@ -33,3 +33,14 @@ def test_paper_scale_script_end_to_end_on_a_tiny_ladder(tmp_path: Path) -> None:
     assert len(table2["comparisons"]) == 8 + 8 + 2 + 2 + 1
     assert all(c["predicted"] > 0 for c in table2["comparisons"])
     assert report["goals"]["table1_cells"] == 4
+    # torchgpipe's configuration (a fixed balance and M) planned as given.
+    (check,) = report["torchgpipe"]
+    assert check["balance"] == [5, 7] and len(check["predicted_per_device_gib"]) == 2
+    assert check["predicted_activation_gib"] > 0
+    # With every micro-batch re-materialized, GPipe keeps the whole batch's stage inputs plus
+    # one micro-batch's activations: more micro-batches never need more activation memory.
+    sweep = report["table1_by_microbatches"]
+    for cell in {(r["family"], r["column"]) for r in sweep}:
+        acts = [r["activation_memory_at_paper_size"] for r in sweep
+                if (r["family"], r["column"]) == cell]
+        assert len(acts) == 2 and acts[1] <= acts[0]
