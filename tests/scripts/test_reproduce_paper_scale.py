@@ -44,3 +44,10 @@ def test_paper_scale_script_end_to_end_on_a_tiny_ladder(tmp_path: Path) -> None:
         acts = [r["activation_memory_at_paper_size"] for r in sweep
                 if (r["family"], r["column"]) == cell]
         assert len(acts) == 2 and acts[1] <= acts[0]
+    # Each family's cells are predicted with an M chosen on the other family's cells only.
+    held = report["table1_held_out_m"]
+    assert {f: held[f]["inferred_from"] for f in held} == {"amoebanet": "transformer",
+                                                          "transformer": "amoebanet"}
+    for family, chosen in held.items():
+        assert chosen["M"] in (2, 4)
+        assert all(c["family"] == family and c["M"] == chosen["M"] for c in chosen["cells"])
