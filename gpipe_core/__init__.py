@@ -14,7 +14,7 @@ from .layout import PipelineLayout, read_layout
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import NoPlanFits, Plan, plan, plan_largest
-from .profile import StageProfile, profile_stages
+from .profile import StageProfile, profile_stages, profile_timeline
 from .schedule import (
     Action,
     Schedule,
@@ -55,6 +55,7 @@ __all__ = [
     "simulate",
     "Simulation",
     "profile_stages",
+    "profile_timeline",
     "StageProfile",
     "plan",
     "plan_largest",

@@ -49,9 +49,10 @@ from .layout import PipelineLayout, read_layout, stage_split
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import Balance, split_module, verify_module
+from .profile import StageProfile, profile_timeline
 from .remat import check_pipeline_args, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState
-from .schedule import Schedule, check_in_order_matching, get_schedule
+from .schedule import Action, Schedule, check_in_order_matching, get_schedule
 from .shards import load_shards, save_stage_checkpoint, shard_name
 from .stage import LossFn, Stage
 from .storage import read_index, torch_load, verify_checkpoint
@@ -407,6 +408,22 @@ class DistributedGPipe(StepCounter, nn.Module):
         if len(self.runtimes) == 1:
             return self.runtime.timeline
         return sorted((e for r in self.runtimes for e in r.timeline), key=lambda e: e.start)
+
+    def profile(self, *, transfer: float | Sequence[float] = 0.0) -> StageProfile:
+        """The costs of every stage's actions as this pipeline ran them, from the steps in the
+        timelines (:func:`~gpipe_core.profile.profile_timeline`): what
+        :func:`~gpipe_core.simulate.simulate` takes to predict other schedules, micro-batch
+        counts aside. Clear the timelines (``pipe.timeline.clear()`` on every rank) after
+        warm-up steps. Collective: every rank of the pipeline group must call it; every rank
+        gets the same profile.
+        """
+        from .trace import gather_timelines
+
+        merged = gather_timelines(self.timeline, group=self.group)
+        used = {Action.parse(e.action).mb for e in merged}
+        m = max(used) + 1 if used else self.chunks
+        return profile_timeline(merged, self.schedule(m), checkpoint=self.checkpoint,
+                                transfer=transfer)
 
     def trace(self, json_path: str | Path, png_path: str | Path | None = None) -> None:
         """Gather every stage's timeline on the first rank; write Chrome-trace JSON and a PNG.

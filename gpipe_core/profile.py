@@ -25,6 +25,13 @@ is what :func:`~gpipe_core.plan.plan` takes as ``profiles``. The module's parame
 gradients and buffers (BatchNorm's running statistics) are as they were after profiling.
 Under ``torchrun``, each rank may replay only its own row (``ranks=[rank]``) at the same
 time as the others, so that cores and memory are shared as in the pipeline.
+
+:func:`profile_timeline` takes the other route: the costs of the actions a pipeline really ran
+(its timeline over a few steps, every rank's: ``DistributedGPipe.profile()`` gathers them),
+each from its input's arrival to its end, so that the waiting is left to the simulator. On a
+busy or shared host an action inside a running pipeline can cost more than the same action
+replayed back to back (it starts after a wait, beside a neighbour's messages); these are the
+costs to predict other schedules of the same pipeline with.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from . import wire
+from .events import TimelineEvent
 from .microbatch import flatten, scatter, unflatten
 from .partition import split_module
 from .remat import check_pipeline_args, checkpoint_stop
@@ -47,7 +55,7 @@ from .schedule import Action, Schedule, get_schedule
 from .stage import Stage
 from .transport import Grads, Transport
 
-__all__ = ["StageProfile", "profile_stages"]
+__all__ = ["StageProfile", "profile_stages", "profile_timeline"]
 
 # Steps the replay runs under: far from a training run's, so per-layer seeds never repeat one.
 _FIRST_STEP = 1 << 40
@@ -269,6 +277,56 @@ def _replay_transports(plan: Schedule, activations: list[dict[int, Any]],
                              pack_out=(s < num_stages - 1 and crossing[s],
                                        s > 0 and crossing[s - 1]))
             for s in range(num_stages)]
+
+
+def profile_timeline(
+    events: Sequence[TimelineEvent],
+    schedule: Schedule,
+    *,
+    checkpoint: str,
+    transfer: float | Sequence[float] = 0.0,
+) -> StageProfile:
+    """A :class:`StageProfile` from the actions a pipeline ran: ``events`` of whole steps of
+    ``schedule`` (every stage's, in any order), ``checkpoint`` the re-materialization they ran
+    with. An action's cost is ``end - ready`` (its own computation, without the wait for its
+    input; ``end - start`` where ``ready`` was not recorded); each step's mean per stage and
+    action kind is one round, and the profile holds the medians over the steps.
+    """
+    check_pipeline_args(chunks=schedule.num_microbatches, checkpoint=checkpoint)
+    per_step: dict[int, int] = {}
+    for row in schedule.actions:
+        for action in row:
+            per_step[action.stage] = per_step.get(action.stage, 0) + 1
+    by_stage: dict[int, list[tuple[float, str, int, float]]] = {}
+    for event in events:
+        action = Action.parse(event.action)
+        if not 0 <= action.stage < schedule.num_stages:
+            raise ValueError(f"event {event.action!r} is of stage {action.stage}; the schedule "
+                             f"has stages 0..{schedule.num_stages - 1}")
+        if action.mb >= schedule.num_microbatches:
+            raise ValueError(f"event {event.action!r} is of micro-batch {action.mb}; the "
+                             f"schedule has {schedule.num_microbatches}: give the schedule the "
+                             "pipeline ran")
+        ready = event.ready if event.ready is not None else event.start
+        by_stage.setdefault(action.stage, []).append(
+            (event.start, action.kind, action.mb, event.end - ready))
+    if not by_stage:
+        raise ValueError("the timeline is empty: run steps with record=True (the default) first")
+    steps = {s: len(rows) / per_step[s] for s, rows in by_stage.items()}
+    if any(n != int(n) for n in steps.values()) or len(set(steps.values())) != 1:
+        raise ValueError(f"the timeline holds {steps} steps per stage; give whole steps of every "
+                         "stage (clear the timeline between steps of different schedules)")
+    rounds = int(next(iter(steps.values())))
+    stop = checkpoint_stop(checkpoint, schedule.num_microbatches)
+    times: list[dict[str, list[float]]] = [{} for _ in range(schedule.num_stages)]
+    for s, rows in by_stage.items():
+        rows.sort()
+        size = per_step[s]
+        for r in range(rounds):
+            _add_round(times, [(s, kind, mb, seconds)
+                               for _, kind, mb, seconds in rows[r * size:(r + 1) * size]], stop)
+    links = _links(transfer, schedule.num_stages)
+    return _summarise(schedule.name, schedule.num_microbatches, checkpoint, times, links, rounds)
 
 
 def _add_round(times: list[dict[str, list[float]]], events: list[tuple[int, str, int, float]],

@@ -18,7 +18,7 @@ __all__ = ["gather_timelines", "write_chrome_trace", "write_timeline_png", "bubb
 def gather_timelines(events: Sequence[TimelineEvent], *, group: Any) -> list[TimelineEvent]:
     """Every rank's events of ``group``, merged in rank order. Collective over ``group``."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    local = [(e.stage, e.action, e.start, e.end) for e in events]
+    local = [(e.stage, e.action, e.start, e.end, e.ready) for e in events]
     with collectives("trace"):
         dist.all_gather_object(gathered, (dist.get_rank(), local), group=group)
     return [TimelineEvent(*e) for _, rank_events in gathered for e in rank_events]

@@ -10,13 +10,18 @@ as ``scripts/bench_pipeline.py`` runs them), so a prediction never sees the roun
    as latency + bytes / bandwidth. Then for each configuration (schedule, re-materialization,
    M), both ranks at once each replay their own row of the schedule
    (``gp.profile_stages(..., ranks=[rank])``): the costs of every action as the pipeline runs
-   them, with the other core busy as it is in the pipeline, minus the waiting.
+   them, with the other core busy as it is in the pipeline, minus the waiting. And the second
+   route to costs: every configuration run in ``gp.DistributedGPipe`` round-robin (as in 2.),
+   its actions' costs taken from the timelines (``pipe.profile()``: input arrival to end).
 2. **Measure** (``<out>/<family>_measured.json``), a new launch: ``gp.DistributedGPipe`` with
    the profile's balance for every configuration, round-robin (one step of each per round, so
    that changes in the machine's load touch all alike); a step lasts as long as its slowest
    rank; the per-round samples are kept.
-3. **Report** (``<out>/<family>_validation.json``): per configuration, ``gp.simulate`` on the
-   profile (with the fitted transfer of the boundary's payload) against the measured median:
+3. **Report** (``<out>/<family>_validation.json``): per configuration and route (``replay``,
+   ``pipeline``: launch 1's costs; ``cross``: fill-drain from 1F1B's launch-1 pipeline costs at
+   the same M and the reverse; ``in_situ``: launch 2's own actions, not a prediction but the
+   split of the error between costs and schedule model), ``gp.simulate`` on those costs
+   (with the fitted transfer of the boundary's payload) against the measured median:
    the signed error of the step time; per schedule and re-materialization, the throughput at
    each M normalised to M=1 (Table 2's quantity), predicted against measured, and its signed
    error; per M, the median error and how many are of each sign; Kendall's tau between the
@@ -51,7 +56,6 @@ import torch.distributed as dist
 import gpipe_core as gp
 from gpipe_core.launch import spawn
 from gpipe_core.partition import optimal_balance
-from gpipe_core.remat import checkpoint_stop
 from scripts.harness import provenance, setup_process, timed_step, write_json
 from scripts.reproduce_throughput import fit_transfer, ping_pong
 from scripts.reproduction import (
@@ -112,8 +116,15 @@ def profile_worker(rank: int, world_size: int, args: argparse.Namespace) -> str 
         if rank == 0:
             profiles.append({"schedule": schedule, "checkpoint": checkpoint, "M": m,
                              "stages": [_stage_costs(gathered[s], s) for s in range(K)]})
+    # The second route: the costs of the actions as a running pipeline ran them
+    # (``DistributedGPipe.profile()``), every configuration round-robin, in this launch.
+    pipes, _ = _round_robin(args, balance)
+    ran = {key: pipe.profile() for key, pipe in pipes.items()}
     if rank != 0:
         return None
+    for entry in profiles:
+        measured = ran[(entry["schedule"], entry["checkpoint"], entry["M"])]
+        entry["pipeline_stages"] = [_stage_costs(measured, s) for s in range(K)]
     return json.dumps({"balance": balance, "layers": n,
                        "parameters": sum(p.numel() for p in model.parameters()),
                        "size": size, "batch_size": family.batch_size,
@@ -134,9 +145,11 @@ def _stage_costs(profile: gp.StageProfile, s: int) -> dict[str, Any]:
             "samples": profile.samples[s]}
 
 
-def measure_worker(rank: int, world_size: int, args: argparse.Namespace,
-                   balance: list[int]) -> str | None:
-    """Launch 2: every configuration's step time, round-robin, with the profile's balance."""
+def _round_robin(args: argparse.Namespace, balance: list[int]
+                 ) -> tuple[dict[tuple[str, str, int], gp.DistributedGPipe],
+                            dict[tuple[str, str, int], list[float]]]:
+    """Every configuration's ``DistributedGPipe`` with ``balance``, one step of each per round
+    (so that changes in the machine's load touch all alike); timelines hold the timed rounds."""
     family, size = families(args.tiny)[args.family]
     inputs, targets = family.batch(family.batch_size)
     pipes = {}
@@ -156,38 +169,26 @@ def measure_worker(rank: int, world_size: int, args: argparse.Namespace,
             seconds = timed_step(step)
             if round_ >= args.warmup:
                 samples[key].append(seconds)
-    actions: dict[tuple[str, str, int], list[Any]] = {}
-    for key, pipe in pipes.items():  # each rank's actions as they ran in the pipeline
-        gathered: list[Any] = [None] * K
-        dist.all_gather_object(gathered, in_pipeline_costs(pipe.timeline, key[1], key[2],
-                                                            args.rounds))
-        actions[key] = gathered
+    return pipes, samples
+
+
+def measure_worker(rank: int, world_size: int, args: argparse.Namespace,
+                   balance: list[int]) -> str | None:
+    """Launch 2: every configuration's step time, round-robin, with the profile's balance."""
+    pipes, samples = _round_robin(args, balance)
+    in_situ = {key: pipe.profile() for key, pipe in pipes.items()}
+    waited = {key: sum((e.ready if e.ready is not None else e.start) - e.start
+                       for e in pipe.timeline) / args.rounds for key, pipe in pipes.items()}
+    gathered: list[Any] = [None] * K
+    dist.all_gather_object(gathered, waited)
     if rank != 0:
         return None
     return json.dumps({"rows": [{"schedule": s, "checkpoint": c, "M": m,
                                  "seconds": statistics.median(v), "samples": v,
-                                 "in_pipeline_action_seconds": actions[(s, c, m)]}
+                                 "in_pipeline_stages": [_stage_costs(in_situ[(s, c, m)], r)
+                                                        for r in range(K)],
+                                 "wait_per_step": [w[(s, c, m)] for w in gathered]}
                                 for (s, c, m), v in samples.items()]})
-
-
-def in_pipeline_costs(events: list[Any], checkpoint: str, m: int, rounds: int
-                      ) -> dict[str, float]:
-    """Mean seconds per action kind of this rank's stage as the pipeline ran them: from an
-    action's input arriving to its end (``TimelineEvent.ready`` to ``end``), the quantity a
-    replay times (``_remat``: re-materialized micro-batches); and ``wait_per_step``, the
-    seconds per step the rank spent waiting for a neighbour."""
-    stop = checkpoint_stop(checkpoint, m)
-    groups: dict[str, list[float]] = {}
-    waited = 0.0
-    for event in events:
-        action = gp.Action.parse(event.action)
-        key = action.kind + ("_remat" if action.mb < stop and action.kind != "W" else "")
-        ready = event.ready if event.ready is not None else event.start
-        groups.setdefault(key, []).append(event.end - ready)
-        waited += ready - event.start
-    costs = {key: statistics.fmean(values) for key, values in groups.items()}
-    costs["wait_per_step"] = waited / rounds
-    return costs
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -212,23 +213,6 @@ def predict(profile: dict[str, Any], entry: dict[str, Any]) -> float:
     return gp.simulate(schedule, costs).step_time
 
 
-def stage_from_actions(costs: dict[str, float]) -> dict[str, Any]:
-    """A stage's costs for :func:`predict` from the actions it ran in the pipeline
-    (:func:`in_pipeline_costs`), mapped as ``gp.profile_stages`` maps a replay's."""
-    split = "I" in costs or "I_remat" in costs
-    fused = "I" if split else "B"
-    b, b_remat = costs.get(fused), costs.get(fused + "_remat")
-    f, f_remat = costs.get("F"), costs.get("F_remat")
-    forward = f if f is not None else f_remat
-    backward = b if b is not None else b_remat
-    recompute = (b_remat - b if b is not None and b_remat is not None
-                 else 0.0 if b_remat is not None else forward)
-    weight = costs.get("W") if split else None
-    return {"forward": forward, "forward_no_grad": f_remat if f_remat is not None else forward,
-            "backward": backward + (weight or 0.0), "recompute": max(recompute or 0.0, 0.0),
-            "backward_input": backward if split else None, "backward_weight": weight}
-
-
 def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Kendall's tau-a: (concordant - discordant) pairs over all pairs (ties count neither)."""
     pairs = list(itertools.combinations(range(len(xs)), 2))
@@ -241,81 +225,110 @@ def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
     return score / len(pairs)
 
 
+# A configuration predicted from another one's in-pipeline costs at the same M: fill-drain and
+# 1F1B without re-materialization run the same actions in another order.
+CROSS = {("gpipe", "never"): ("1f1b", "never"), ("1f1b", "never"): ("gpipe", "never")}
+ROUTES = ("replay", "pipeline", "in_situ")
+
+
 def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-    """Predicted against measured per configuration, per M, normalised to M=1, and the goals."""
+    """Predicted against measured per configuration, per M, normalised to M=1, and the goals,
+    for each route to the costs: ``replay`` (launch 1's ``gp.profile_stages``), ``pipeline``
+    (launch 1's running pipelines, ``DistributedGPipe.profile()``), ``in_situ`` (launch 2's
+    own actions: not a prediction, the split of the error between costs and schedule model);
+    and ``cross``: a configuration from another configuration's launch-1 pipeline costs."""
     by_key = {(r["schedule"], r["checkpoint"], r["M"]): r for r in measured["rows"]}
+    entries = {(e["schedule"], e["checkpoint"], e["M"]): e for e in profile["profiles"]}
     rows = []
-    for entry in profile["profiles"]:
-        key = (entry["schedule"], entry["checkpoint"], entry["M"])
+    for key, entry in entries.items():
         if key not in by_key:
             continue
-        predicted, actual = predict(profile, entry), by_key[key]["seconds"]
-        row = {"schedule": key[0], "checkpoint": key[1], "M": key[2], "measured_s": actual,
-               "predicted_s": predicted, "error": predicted / actual - 1,
-               "measured_samples": by_key[key]["samples"]}
-        ran = by_key[key].get("in_pipeline_action_seconds")
-        if ran:  # the error split: the actions' costs against the replay's, and the schedule
-            stages = [stage_from_actions(costs) for costs in ran]
-            in_situ = predict(profile, {**entry, "stages": stages})
-            row.update(in_situ_predicted_s=in_situ, in_situ_error=in_situ / actual - 1,
-                       in_pipeline_over_replay=[
-                           {kind: st[kind] / mine[kind] for kind in ("forward", "backward")
-                            if st[kind] and mine[kind]}
-                           for st, mine in zip(stages, entry["stages"], strict=True)],
-                       wait_per_step=[costs["wait_per_step"] for costs in ran])
+        actual = by_key[key]["seconds"]
+        row: dict[str, Any] = {"schedule": key[0], "checkpoint": key[1], "M": key[2],
+                               "measured_s": actual, "measured_samples": by_key[key]["samples"]}
+        sources = {"replay": entry["stages"], "pipeline": entry.get("pipeline_stages"),
+                   "in_situ": by_key[key].get("in_pipeline_stages")}
+        source = CROSS.get(key[:2])
+        if source is not None and (*source, key[2]) in entries:
+            sources["cross"] = entries[(*source, key[2])].get("pipeline_stages")
+            row["cross_source"] = f"{source[0]} {source[1]}"
+        for route, stages in sources.items():
+            if stages is None:
+                continue
+            predicted = predict(profile, {**entry, "stages": stages})
+            row[f"{route}_predicted_s"] = predicted
+            row[f"{route}_error"] = predicted / actual - 1
+        if sources["in_situ"] is not None:
+            row["in_pipeline_over_replay"] = [
+                {kind: ran[kind] / mine[kind] for kind in ("forward", "backward")
+                 if ran[kind] and mine[kind]}
+                for ran, mine in zip(sources["in_situ"], entry["stages"], strict=True)]
+            row["wait_per_step"] = by_key[key].get("wait_per_step")
         rows.append(row)
-    for row in rows:  # throughput at M over throughput at M=1, same schedule and mode
+    # Table 2's quantity: throughput at M over throughput at M=1, same schedule and mode.
+    for row in rows:
         base = next((r for r in rows if (r["schedule"], r["checkpoint"], r["M"]) ==
                      (row["schedule"], row["checkpoint"], 1)), None)
-        if base is None:
-            row["normalised_measured"] = row["normalised_predicted"] = None
-            row["normalised_error"] = None
-            continue
-        row["normalised_measured"] = base["measured_s"] / row["measured_s"]
-        row["normalised_predicted"] = base["predicted_s"] / row["predicted_s"]
-        row["normalised_error"] = row["normalised_predicted"] / row["normalised_measured"] - 1
+        row["normalised_measured"] = None if base is None else (
+            base["measured_s"] / row["measured_s"])
+        for route in ROUTES:
+            if base is None or f"{route}_predicted_s" not in row:
+                continue
+            predicted = base[f"{route}_predicted_s"] / row[f"{route}_predicted_s"]
+            row[f"{route}_normalised_predicted"] = predicted
+            row[f"{route}_normalised_error"] = predicted / row["normalised_measured"] - 1
+    summaries = {route: _summary(rows, route) for route in (*ROUTES, "cross")
+                 if any(f"{route}_error" in r for r in rows)}
+    return {"rows": rows, "summary": summaries, "goals": GOALS}
+
+
+def _summary(rows: list[dict[str, Any]], route: str) -> dict[str, Any]:
+    """One route's errors against the goals: median and worst |error|, the sign per M,
+    Kendall's tau, and the normalised ratio's error."""
+    have = [r for r in rows if f"{route}_error" in r]
+    errors = [r[f"{route}_error"] for r in have]
     per_m = {}
-    for m in sorted({r["M"] for r in rows}):
-        errors = [r["error"] for r in rows if r["M"] == m]
-        per_m[str(m)] = {"median_error": statistics.median(errors),
-                         "too_fast": sum(e < 0 for e in errors),
-                         "too_slow": sum(e > 0 for e in errors)}
-    errors = [abs(r["error"]) for r in rows]
-    tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    in_situ = [abs(r["in_situ_error"]) for r in rows if "in_situ_error" in r]
+    for m in sorted({r["M"] for r in have}):
+        at_m = [r[f"{route}_error"] for r in have if r["M"] == m]
+        per_m[str(m)] = {"median_error": statistics.median(at_m),
+                         "too_fast": sum(e < 0 for e in at_m),
+                         "too_slow": sum(e > 0 for e in at_m)}
+    tau = kendall_tau([r[f"{route}_predicted_s"] for r in have],
+                      [r["measured_s"] for r in have])
+    normalised = [abs(r[f"{route}_normalised_error"]) for r in have
+                  if r.get(f"{route}_normalised_error") is not None and r["M"] > 1]
     summary = {
-        "configurations": len(rows),
-        "in_situ_median_abs_error": statistics.median(in_situ) if in_situ else None,
-        "median_abs_error": statistics.median(errors) if errors else None,
-        "worst_abs_error": max(errors) if errors else None,
+        "configurations": len(have),
+        "median_abs_error": statistics.median(abs(e) for e in errors),
+        "worst_abs_error": max(abs(e) for e in errors),
         "kendall_tau": tau,
+        "per_M": per_m,
         "one_sign_at_some_M": any(v["too_fast"] == 0 or v["too_slow"] == 0
                                   for v in per_m.values() if v["too_fast"] + v["too_slow"] > 1),
+        "normalised_median_abs_error": statistics.median(normalised) if normalised else None,
+        "normalised_worst_abs_error": max(normalised) if normalised else None,
     }
     summary["goals_met"] = bool(
-        errors and summary["median_abs_error"] <= GOALS["median_abs_error"]
+        summary["median_abs_error"] <= GOALS["median_abs_error"]
         and summary["worst_abs_error"] <= GOALS["worst_abs_error"]
         and tau >= GOALS["kendall_tau"] and not summary["one_sign_at_some_M"])
-    return {"rows": rows, "per_M": per_m, "summary": summary, "goals": GOALS}
+    return summary
 
 
 def print_report(name: str, report: dict[str, Any]) -> None:
     print(f"{name}: predicted (profile launch) against measured (measure launch)")
-    print(f"{'M':>3} {'schedule':<8}{'ckpt':<12}{'measured':>9}{'predicted':>10}{'err':>7}"
-          f"{'norm. meas.':>12}{'pred.':>7}{'err':>7}")
+    routes = [r for r in ("replay", "pipeline", "cross") if r in report["summary"]]
+    print(f"{'M':>3} {'schedule':<8}{'ckpt':<12}{'measured':>9}"
+          + "".join(f"{route:>10}{'err':>7}" for route in routes))
     for r in report["rows"]:
-        norm = ("" if r["normalised_error"] is None else
-                f"{r['normalised_measured']:>12.2f}{r['normalised_predicted']:>7.2f}"
-                f"{r['normalised_error']:>+7.1%}")
+        cells = "".join(f"{r[f'{route}_predicted_s']:>10.4f}{r[f'{route}_error']:>+7.1%}"
+                        if f"{route}_error" in r else " " * 17 for route in routes)
         print(f"{r['M']:>3} {r['schedule']:<8}{r['checkpoint']:<12}{r['measured_s']:>9.4f}"
-              f"{r['predicted_s']:>10.4f}{r['error']:>+7.1%}{norm}")
-    s = report["summary"]
-    if s.get("in_situ_median_abs_error") is not None:
-        print(f"  from the actions' own in-pipeline costs (in situ): median |error| "
-              f"{s['in_situ_median_abs_error']:.1%}")
-    print(f"  median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
-          f"Kendall tau {s['kendall_tau']:.2f}, one sign at some M: {s['one_sign_at_some_M']}; "
-          f"goals met: {s['goals_met']}")
+              + cells)
+    for route, s in report["summary"].items():
+        print(f"  {route:9s}: median |error| {s['median_abs_error']:.1%}, worst "
+              f"{s['worst_abs_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}, one sign at "
+              f"some M: {s['one_sign_at_some_M']}; goals met: {s['goals_met']}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -172,3 +172,64 @@ def test_virtual_stages_pass_messages_within_a_rank_unpacked() -> None:
     assert all(0 < c < math.inf for c in profile.forward + profile.backward)
     schedule = gp.get_schedule("interleaved_1f1b", 4, 4, num_ranks=2)
     assert gp.simulate(schedule, profile).step_time > SLEEP_F + SLEEP_B
+
+
+def _events(schedule: gp.Schedule, cost: dict[str, float], steps: int, wait: float = 0.5,
+            ) -> list[gp.TimelineEvent]:
+    """A made-up timeline of ``steps`` steps: every action waits ``wait`` s for its input, then
+    runs ``cost[kind]`` s plus 0.01 s per (step, stage): costs the profile must read exactly."""
+    events = []
+    clock = 0.0
+    for step in range(steps):
+        for row in schedule.actions:
+            for action in row:
+                start = clock
+                ready = start + wait
+                end = ready + cost[action.kind] + 0.01 * (step + action.stage)
+                events.append(gp.TimelineEvent(action.stage, str(action), start, end, ready))
+                clock = end
+    return events[::-1]  # any order: the profile sorts each stage's events by start
+
+
+def test_a_timeline_gives_each_actions_cost_without_its_wait() -> None:
+    schedule = gp.get_schedule("gpipe", 2, 4)
+    profile = gp.profile_timeline(_events(schedule, {"F": 1.0, "B": 2.0}, steps=3), schedule,
+                                  checkpoint="never", transfer=0.25)
+    assert profile.rounds == 3 and profile.num_microbatches == 4
+    # Per stage: the median over the 3 steps of 1.0 + 0.01 * (step + stage) is step 1's.
+    assert profile.forward == pytest.approx([1.01, 1.02])
+    assert profile.backward == pytest.approx([2.01, 2.02])
+    assert profile.transfer == [0.25] and profile.backward_input is None
+    assert profile.samples[0]["F"] == pytest.approx([1.0, 1.01, 1.02])
+
+
+def test_a_timeline_of_rematerialized_and_split_steps() -> None:
+    remat = gp.get_schedule("gpipe", 2, 4)
+    # except_last: micro-batches 0-2 re-materialized, each B then includes the recomputation.
+    events = _events(remat, {"F": 1.0, "B": 2.0}, steps=1)
+    for i, e in enumerate(events):
+        action = gp.Action.parse(e.action)
+        if action.mb < 3:  # the re-materialized ones: a cheaper forward, a dearer backward
+            extra = -0.5 if action.kind == "F" else 0.75
+            events[i] = gp.TimelineEvent(e.stage, e.action, e.start, e.end + extra, e.ready)
+    profile = gp.profile_timeline(events, remat, checkpoint="except_last")
+    assert profile.forward == pytest.approx([1.0, 1.01])
+    assert profile.forward_no_grad == pytest.approx([0.5, 0.51])
+    assert profile.recompute == pytest.approx([0.75, 0.75])
+    split = gp.get_schedule("zb_h1", 2, 4)
+    profile = gp.profile_timeline(_events(split, {"F": 1.0, "I": 0.5, "W": 0.25}, steps=1),
+                                  split, checkpoint="never")
+    assert profile.backward_input == pytest.approx([0.5, 0.51])
+    assert profile.backward_weight == pytest.approx([0.25, 0.26])
+    assert profile.backward == pytest.approx([0.75, 0.77])
+
+
+def test_a_partial_or_foreign_timeline_is_refused() -> None:
+    schedule = gp.get_schedule("gpipe", 2, 4)
+    events = _events(schedule, {"F": 1.0, "B": 2.0}, steps=2)
+    with pytest.raises(ValueError, match="whole steps"):
+        gp.profile_timeline(events[1:], schedule, checkpoint="never")
+    with pytest.raises(ValueError, match=r"micro-batch [23]; the schedule has 2"):
+        gp.profile_timeline(events, gp.get_schedule("gpipe", 2, 2), checkpoint="never")
+    with pytest.raises(ValueError, match="empty"):
+        gp.profile_timeline([], schedule, checkpoint="never")

@@ -390,6 +390,43 @@ def test_global_grad_clipping_and_timeline(tmp_path: Path, schedule: str, balanc
     assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
+def run_profile(rank: int, world: int, schedule: str, checkpoint: str) -> Any:
+    torch.manual_seed(0)
+    pipe = gp.DistributedGPipe(build(), [4, 4], chunks=4, loss_fn=loss_fn, record=True,
+                               schedule=schedule, checkpoint=checkpoint)
+    (x, mask), y = make_batch(0)
+    pipe.step((x, mask), y)  # warm-up, left out
+    pipe.timeline.clear()
+    for step in range(1, 3):
+        (x, mask), y = make_batch(step)
+        pipe.zero_grad()
+        pipe.step((x, mask), y)
+    own = [(e.action, e.end - (e.ready if e.ready is not None else e.start))
+           for e in pipe.timeline]
+    return pipe.profile(transfer=1e-4), own
+
+
+@pytest.mark.parametrize(("schedule", "checkpoint"), [("1f1b", "except_last"),
+                                                      ("zb_h1", "never")])
+def test_a_pipeline_profiles_its_own_steps(tmp_path: Path, schedule: str,
+                                           checkpoint: str) -> None:
+    per_rank = spawn(run_profile, 2, tmp_path, schedule, checkpoint)
+    (first, own0), (second, own1) = per_rank
+    assert first == second  # every rank gets the gathered profile
+    assert first.rounds == 2 and first.num_microbatches == 4 and first.transfer == [1e-4]
+    assert all(0 < c < 10 for c in first.forward + first.backward)
+    # Each stage's samples are the means of the costs its own rank recorded, step by step.
+    for stage, own in enumerate((own0, own1)):
+        forwards = [seconds for action, seconds in own if action[1] == "F"
+                    and (checkpoint == "never" or int(action[2:]) == 3)]
+        per_step = len(forwards) // 2
+        assert first.samples[stage]["F"] == pytest.approx(
+            [sum(forwards[:per_step]) / per_step, sum(forwards[per_step:]) / per_step])
+    assert (first.backward_weight is not None) == (schedule == "zb_h1")
+    prediction = gp.simulate(gp.get_schedule("gpipe", 2, 4), first)
+    assert prediction.step_time > 0
+
+
 class Tied(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()

@@ -43,18 +43,41 @@ def test_compare_reports_signed_errors_normalised_ratios_and_the_goals() -> None
     profile, measured = hand_made()
     report = compare(profile, measured)
     rows = {r["M"]: r for r in report["rows"]}
-    assert rows[1]["predicted_s"] == pytest.approx(6.0) and rows[1]["error"] == pytest.approx(0)
-    assert rows[2]["error"] == pytest.approx(1 / 1.1 - 1)  # measured 10% slower: too fast
-    assert rows[4]["error"] == pytest.approx(1 / 0.9 - 1)
+    assert rows[1]["replay_predicted_s"] == pytest.approx(6.0)
+    assert rows[1]["replay_error"] == pytest.approx(0)
+    assert rows[2]["replay_error"] == pytest.approx(1 / 1.1 - 1)  # measured 10% slower
+    assert rows[4]["replay_error"] == pytest.approx(1 / 0.9 - 1)
     assert rows[2]["normalised_measured"] == pytest.approx(6.0 / 4.95)
-    assert rows[2]["normalised_predicted"] == pytest.approx(6.0 / 4.5)
-    assert rows[2]["normalised_error"] == pytest.approx(0.1)
-    assert report["per_M"]["2"] == {"median_error": pytest.approx(1 / 1.1 - 1), "too_fast": 1,
-                                    "too_slow": 0}
-    summary = report["summary"]
+    assert rows[2]["replay_normalised_predicted"] == pytest.approx(6.0 / 4.5)
+    assert rows[2]["replay_normalised_error"] == pytest.approx(0.1)
+    summary = report["summary"]["replay"]
+    assert summary["per_M"]["2"] == {"median_error": pytest.approx(1 / 1.1 - 1),
+                                     "too_fast": 1, "too_slow": 0}
     assert summary["configurations"] == 3 and summary["kendall_tau"] == 1.0
     assert summary["worst_abs_error"] == pytest.approx(1 / 0.9 - 1)
     assert summary["goals_met"] is False  # the worst error is 11%, over the 10% goal
+    assert set(report["summary"]) == {"replay"}  # no pipeline costs in this profile
+
+
+def test_compare_predicts_from_pipeline_costs_and_across_configurations() -> None:
+    profile, measured = hand_made()
+    for entry in profile["profiles"]:  # the pipeline ran each action 10% dearer
+        m = entry["M"]
+        entry["pipeline_stages"] = [stage(1.1 / m, 2.2 / m)] * 2
+    profile["profiles"].append({"schedule": "1f1b", "checkpoint": "never", "M": 2,
+                                "stages": [stage(0.5, 1.0)] * 2,
+                                "pipeline_stages": [stage(0.55, 1.1)] * 2})
+    measured["rows"].append({"schedule": "1f1b", "checkpoint": "never", "M": 2,
+                             "seconds": 4.95, "samples": [4.95]})
+    report = compare(profile, measured)
+    rows = {(r["schedule"], r["M"]): r for r in report["rows"]}
+    # fill-drain at M=2 measured 4.95 s = 1.1 x 4.5: the pipeline's costs predict it exactly
+    assert rows[("gpipe", 2)]["pipeline_error"] == pytest.approx(0)
+    # and 1F1B at M=2 from fill-drain's pipeline costs (same actions, another order): 4.95 s
+    assert rows[("1f1b", 2)]["cross_source"] == "gpipe never"
+    assert rows[("1f1b", 2)]["cross_predicted_s"] == pytest.approx(4.95)
+    assert set(report["summary"]) == {"replay", "pipeline", "cross"}
+    assert report["summary"]["cross"]["configurations"] == 2
 
 
 @pytest.mark.slow
@@ -77,9 +100,15 @@ def test_both_launches_write_their_json_and_the_report(tmp_path: Path) -> None:
     keys = {(r["schedule"], r["checkpoint"], r["M"]) for r in report["rows"]}
     assert keys == {(s, c, m) for m in (1, 2) for s, c in CONFIGS}
     for row in report["rows"]:
-        assert row["measured_s"] > 0 and row["predicted_s"] > 0 and len(row["measured_samples"]) == 1
-        # the error split: the same simulation from the actions' in-pipeline costs
-        assert row["in_situ_predicted_s"] > 0 and len(row["in_pipeline_over_replay"]) == 2
+        assert len(row["measured_samples"]) == 1
+        # launch 1's replay and running pipelines both predict; launch 2's own actions split
+        # the error between the costs and the schedule model
+        for route in ("replay", "pipeline", "in_situ"):
+            assert row["measured_s"] > 0 and row[f"{route}_predicted_s"] > 0
+        assert len(row["in_pipeline_over_replay"]) == 2
         assert all(w >= 0 for w in row["wait_per_step"])
-    assert set(report["per_M"]) == {"1", "2"} and -1 <= report["summary"]["kendall_tau"] <= 1
+    summary = report["summary"]
+    assert set(summary) == {"replay", "pipeline", "in_situ", "cross"}
+    assert set(summary["replay"]["per_M"]) == {"1", "2"}
+    assert -1 <= summary["pipeline"]["kendall_tau"] <= 1
     assert "encoder: predicted (profile launch) against measured" in result.stdout
