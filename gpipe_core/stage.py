@@ -101,6 +101,9 @@ class Stage(StagePosition):
         ]
         self._deferred = [m for m in self._batchnorms if isinstance(m, DeferredBatchNorm)]
         self._saved: dict[tuple[int, int], _Saved] = {}
+        # The parameters that take gradients, read once per step (a walk over every module:
+        # milliseconds on a stage of many small layers, once per micro-batch otherwise).
+        self._trainable: tuple[int | None, list[Tensor]] = (None, [])
         self._forwards_done: dict[int, int] = {}
         self._num_microbatches: dict[int, int] = {}
         self.losses: dict[tuple[int, int], Tensor] = {}
@@ -231,7 +234,7 @@ class Stage(StagePosition):
             if tensors and not tensors[0].requires_grad:
                 tensors, grads = [], []
             input_grads, saved.pending = split_backward_input(
-                tensors, grads, saved.inputs, self._parameters_requiring_grad()
+                tensors, grads, saved.inputs, self._parameters_requiring_grad(step)
             )
         return input_grads
 
@@ -299,9 +302,15 @@ class Stage(StagePosition):
         ]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
-    def _parameters_requiring_grad(self) -> list[Tensor]:
-        unique = {id(p): p for _, layer in self.layers for p in layer.parameters()}
-        return [p for p in unique.values() if p.requires_grad]
+    def _parameters_requiring_grad(self, step: int) -> list[Tensor]:
+        """This stage's parameters that take gradients, as they are at ``step`` (a module
+        changed or frozen between steps is seen at the next)."""
+        cached_step, params = self._trainable
+        if cached_step != step:
+            unique = {id(p): p for _, layer in self.layers for p in layer.parameters()}
+            params = [p for p in unique.values() if p.requires_grad]
+            self._trainable = (step, params)
+        return params
 
 
 def _as_input_leaf(value: Any, grad_enabled: bool) -> Any:
