@@ -279,7 +279,23 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
             row[f"{route}_normalised_error"] = predicted / row["normalised_measured"] - 1
     summaries = {route: _summary(rows, route) for route in (*ROUTES, "cross")
                  if any(f"{route}_error" in r for r in rows)}
-    return {"rows": rows, "summary": summaries, "goals": GOALS}
+    return {"rows": rows, "summary": summaries, "goals": GOALS,
+            "measurement_floor": measurement_floor(rows)}
+
+
+def measurement_floor(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How well the measurement predicts itself: the median of the odd rounds against the
+    median of the even rounds, per configuration (|error| and Kendall's tau over the
+    configurations). No predictor can be expected to rank or hit the measured medians more
+    closely than the measurement's own halves agree."""
+    halves = [(statistics.median(r["measured_samples"][0::2]),
+               statistics.median(r["measured_samples"][1::2]))
+              for r in rows if len(r["measured_samples"]) >= 2]
+    if len(halves) < 2:
+        return None
+    errors = [abs(a / b - 1) for a, b in halves]
+    return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
+            "kendall_tau": kendall_tau([a for a, _ in halves], [b for _, b in halves])}
 
 
 def _summary(rows: list[dict[str, Any]], route: str) -> dict[str, Any]:
@@ -325,6 +341,11 @@ def print_report(name: str, report: dict[str, Any]) -> None:
                         if f"{route}_error" in r else " " * 17 for route in routes)
         print(f"{r['M']:>3} {r['schedule']:<8}{r['checkpoint']:<12}{r['measured_s']:>9.4f}"
               + cells)
+    floor = report.get("measurement_floor")
+    if floor is not None:
+        print(f"  the measurement's odd rounds against its even rounds: median |error| "
+              f"{floor['median_abs_error']:.1%}, worst {floor['worst_abs_error']:.1%}, "
+              f"Kendall tau {floor['kendall_tau']:.2f}")
     for route, s in report["summary"].items():
         print(f"  {route:9s}: median |error| {s['median_abs_error']:.1%}, worst "
               f"{s['worst_abs_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}, one sign at "

@@ -57,6 +57,19 @@ def test_compare_reports_signed_errors_normalised_ratios_and_the_goals() -> None
     assert summary["worst_abs_error"] == pytest.approx(1 / 0.9 - 1)
     assert summary["goals_met"] is False  # the worst error is 11%, over the 10% goal
     assert set(report["summary"]) == {"replay"}  # no pipeline costs in this profile
+    assert report["measurement_floor"] is None  # one sample per configuration
+
+
+def test_the_measurement_floor_compares_odd_and_even_rounds() -> None:
+    profile, measured = hand_made()
+    for row, samples in zip(measured["rows"], ([6.0, 6.6, 6.0, 6.6], [5.0, 5.0, 5.0, 5.0],
+                                               [3.0, 3.3, 3.0, 3.3]), strict=True):
+        row["samples"] = samples
+    floor = compare(profile, measured)["measurement_floor"]
+    assert floor["median_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    assert floor["worst_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    # odd rounds 6.0, 5.0, 3.0 against even 6.6, 5.0, 3.3: the same order
+    assert floor["kendall_tau"] == 1.0
 
 
 def test_compare_predicts_from_pipeline_costs_and_across_configurations() -> None:
