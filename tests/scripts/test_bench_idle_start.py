@@ -1,0 +1,24 @@
+"""scripts/bench_idle_start.py end to end on one small round (its ratios are not checked)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from scripts.bench_idle_start import CONDITIONS, main
+from tests.scripts.published import assert_provenance
+
+
+def test_every_condition_is_timed_and_written_with_provenance(tmp_path: Path) -> None:
+    out = tmp_path / "idle_start.json"
+    # --core -1: the test process keeps its cores (pinning would outlive the test)
+    report = main(["--rounds", "2", "--warmup", "1", "--layers", "1", "--core", "-1",
+                   "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+    assert_provenance(report)
+    assert [r["condition"] for r in report["rows"]] == list(CONDITIONS)
+    back_to_back = report["rows"][0]
+    assert back_to_back["forward_over_back_to_back"] == 1.0
+    for row in report["rows"]:
+        assert row["forward_s"] > 0 and row["backward_s"] > 0
+    assert all(len(s["forward"]) == 2 for s in report["samples"].values())
