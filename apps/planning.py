@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,6 +154,13 @@ def optimizer_name(name: str, momentum: float = 0.0) -> str:
         raise ValueError(f"optimizer {name!r} has no known state size; pass --optimizer with "
                          f"one of {', '.join(gp.OPTIMIZER_BYTES)} or a number of bytes")
     return table[name]
+
+
+def config_error(error: Exception, config_dir: Path) -> int:
+    """Say what was wrong with the config (and which named configs there are); exit status 2."""
+    names = ", ".join(sorted(p.stem for p in config_dir.glob("*.yaml")))
+    print(f"error: {error}; give a YAML path or one of: {names}", file=sys.stderr)
+    return 2
 
 
 def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:

@@ -16,7 +16,15 @@ from pathlib import Path
 import torch
 
 from apps.amoebanet.config import build_model, load_amoebanet_config
-from apps.planning import AppModel, optimizer_name, parser, run, split_overrides
+from apps.config import ConfigError
+from apps.planning import (
+    AppModel,
+    config_error,
+    optimizer_name,
+    parser,
+    run,
+    split_overrides,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -27,7 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = args.config
     if not Path(path).exists() and (CONFIG_DIR / f"{path}.yaml").is_file():
         path = str(CONFIG_DIR / f"{path}.yaml")
-    config = load_amoebanet_config([f"--config={path}", *overrides])
+    try:
+        config = load_amoebanet_config([f"--config={path}", *overrides])
+    except ConfigError as error:
+        return config_error(error, CONFIG_DIR)
 
     def build(depth: int) -> torch.nn.Sequential:
         return build_model(dataclasses.replace(config, num_normal_cells=depth), device="meta")

@@ -14,14 +14,25 @@ from collections.abc import Sequence
 
 import torch
 
-from apps.nmt.config import build_model, load_nmt_config
-from apps.planning import AppModel, optimizer_name, parser, run, split_overrides
+from apps.config import ConfigError
+from apps.nmt.config import CONFIG_DIR, build_model, load_nmt_config
+from apps.planning import (
+    AppModel,
+    config_error,
+    optimizer_name,
+    parser,
+    run,
+    split_overrides,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     options, overrides = split_overrides(argv)
     args = parser("nmt").parse_args(options)
-    config = load_nmt_config([f"--config={args.config}", *overrides])
+    try:
+        config = load_nmt_config([f"--config={args.config}", *overrides])
+    except ConfigError as error:
+        return config_error(error, CONFIG_DIR)
     seq = config.max_len
 
     def build(depth: int) -> torch.nn.Sequential:

@@ -22,3 +22,13 @@ def test_amoebanet_plan_says_by_how_much_nothing_fits(capsys: pytest.CaptureFixt
                            "--memory-gb", "0.0001", "--schedule", "gpipe"]) == 1
     out = capsys.readouterr().out
     assert "nothing fits" in out and "over" in out and "allow more stages" in out
+
+
+@pytest.mark.parametrize(("plan", "wrong", "known"), [(plan_nmt, "t64", "t64_16384_32"),
+                                                     (plan_amoebanet, "d_18", "d_18_416")])
+def test_an_unknown_config_is_one_line_naming_the_known_ones(
+        plan, wrong: str, known: str, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    assert plan(["--config", wrong, "--device", "p100", "--devices", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: config file '{wrong}' does not exist") and known in err
+    assert "Traceback" not in err and err.count("\n") == 1
