@@ -87,7 +87,15 @@ import torch
 import gpipe_core as gp
 from gpipe_core.launch import spawn, start, stop
 from gpipe_core.partition import optimal_balance
-from scripts.harness import LiveTensorBytes, pyplot, reset_peak_rss, rss_mb, save_figure, write_json
+from scripts.harness import (
+    LiveTensorBytes,
+    provenance,
+    pyplot,
+    reset_peak_rss,
+    rss_mb,
+    save_figure,
+    write_json,
+)
 from scripts.reproduction import (
     FAMILIES,
     TINY_FAMILIES,
@@ -637,7 +645,9 @@ def main() -> None:
     families = TINY_FAMILIES if args.tiny else FAMILIES
     columns = ["naive-1", "pipeline-1"] + [f"pipeline-{k}" for k in args.stages]
     started = time.monotonic()
+    load_before = os.getloadavg()
     report: dict[str, Any] = {
+        "provenance": provenance(load_before),
         "config": vars(args),
         "allocator": {"settings": allocator_settings(args.mmap_threshold),
                       "how": "environment of the spawned trial processes, read by glibc at "
@@ -667,9 +677,10 @@ def main() -> None:
         report["families"][name] = {"batch_size": family.batch_size, "cells": cells,
                                     "ratio_intervals": ratio_intervals(cells),
                                     "trials": [asdict(t) for t in log]}
-    report["wall_seconds"] = time.monotonic() - started
+        report["wall_seconds"] = time.monotonic() - started
+        report["provenance"] = provenance(load_before)  # load average before and now
+        write_json(Path(args.out) / "memory.json", report)  # each family as it completes
     out = Path(args.out)
-    write_json(out / "memory.json", report)
     print_table(report)
     plot(report, out / "memory.png")
     print(f"wrote {out}/memory.json and memory.png ({report['wall_seconds']:.0f} s)")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from scripts.reproduction import TINY_FAMILIES, layer_sizes
+from tests.scripts.published import assert_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +45,7 @@ def test_memory_search_respects_the_budget_and_finds_the_largest(tmp_path: Path)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "memory.json").read_text())
+    assert_provenance(report)
     family = report["families"]["amoebanet"]
     tiny_ladder = TINY_FAMILIES["amoebanet"].ladder
     cells = {c["column"]: c for c in family["cells"]}
