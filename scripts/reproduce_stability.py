@@ -367,7 +367,9 @@ def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], out: 
     plt = pyplot()
     arms = [*ARMS, *COMPARATORS]
     colors = {arm: f"C{i}" for i, arm in enumerate(arms)}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharex=True, sharey=True)
+    grid = sorted({r["lr"] for r in results}) or list(LRS)
+    axes[0].set_xlim(grid[0] / 1.5, grid[-1] * 1.5)  # both panels on the grid, run or not
     for ax, norm in zip(axes, NORMS, strict=True):
         for arm in arms:
             rows = sorted((r for r in results if r["norm"] == norm and r["arm"] == arm
