@@ -91,6 +91,28 @@ class StageProfile:
     def num_stages(self) -> int:
         return len(self.forward)
 
+    @property
+    def num_rounds(self) -> int:
+        """Timed rounds whose costs :meth:`round` can give (0 without per-round samples)."""
+        counts = {len(values) for stage in self.samples for values in stage.values()}
+        if len(counts) > 1:
+            raise ValueError(f"the stages' samples hold {sorted(counts)} rounds: per-round costs "
+                             "need the same rounds for every stage and action kind")
+        return counts.pop() if counts else 0
+
+    def round(self, index: int) -> StageProfile:
+        """The profile of timed round ``index`` alone: every stage's costs from that round's
+        means (the rounds of all stages ran at the same time), derived as the medians are."""
+        rounds = self.num_rounds
+        if not 0 <= index < rounds:
+            raise ValueError(f"round {index} of a profile with {rounds} timed rounds: give "
+                             f"0..{rounds - 1}" if rounds else
+                             "this profile keeps no per-round samples (profile_stages and "
+                             "profile_timeline record them)")
+        one = [{kind: [values[index]] for kind, values in stage.items()} for stage in self.samples]
+        return _summarise(self.schedule, self.num_microbatches, self.checkpoint, one,
+                          list(self.transfer), 1)
+
     def simulate_kwargs(self) -> dict[str, Any]:
         """The arguments of :func:`~gpipe_core.simulate.simulate` this profile gives."""
         kwargs: dict[str, Any] = {

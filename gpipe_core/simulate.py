@@ -55,6 +55,7 @@ def simulate(
     output_bytes: Sequence[float] | None = None,
     gradient_bytes: Sequence[float] | None = None,
     working_bytes: Sequence[float] | None = None,
+    per_round: bool = False,
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
     runs one action at a time (with virtual stages, several stages' actions in its row's order).
@@ -86,7 +87,32 @@ def simulate(
     adds while it runs above what the rank holds for the other micro-batches, this one's input
     included (a re-materialized backward's recomputed activations are in it). Without
     ``working_bytes`` the peak is taken between actions only.
+
+    ``per_round`` (with a profile): simulate each of the profile's timed rounds with that
+    round's own costs (:meth:`~gpipe_core.profile.StageProfile.round`) and return the round
+    of median step time (the lower of the two middle ones for an even count). A step lasts as
+    long as its slowest path, so where costs vary from round to round the median of the
+    rounds' step times is above the step time of the median costs: this predicts the median
+    step a pipeline will measure, where the median costs predict a step that is too fast.
     """
+    if per_round:
+        from .profile import StageProfile
+
+        if not isinstance(forward, StageProfile):
+            raise ValueError("per_round=True simulates a profile's rounds: give a StageProfile "
+                             "(profile_stages, profile_timeline) as the costs")
+        rounds = forward.num_rounds
+        if rounds == 0:
+            raise ValueError("the profile keeps no per-round samples; use per_round=False")
+        runs = sorted((simulate(schedule, forward.round(r), backward,
+                                backward_input=backward_input, backward_weight=backward_weight,
+                                transfer=transfer, checkpoint=checkpoint, recompute=recompute,
+                                forward_no_grad=forward_no_grad,
+                                activation_bytes=activation_bytes, input_bytes=input_bytes,
+                                output_bytes=output_bytes, gradient_bytes=gradient_bytes,
+                                working_bytes=working_bytes) for r in range(rounds)),
+                      key=lambda sim: sim.step_time)
+        return runs[(rounds - 1) // 2]
     if isinstance(forward, Sequence):
         forward_costs: Sequence[float] = forward
     else:  # a StageProfile

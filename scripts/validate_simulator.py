@@ -21,7 +21,10 @@ as ``scripts/bench_pipeline.py`` runs them), so a prediction never sees the roun
    ``pipeline``: launch 1's costs; ``cross``: fill-drain from 1F1B's launch-1 pipeline costs at
    the same M and the reverse; ``in_situ``: launch 2's own actions, not a prediction but the
    split of the error between costs and schedule model), ``gp.simulate`` on those costs
-   (with the fitted transfer of the boundary's payload) against the measured median:
+   (with the fitted transfer of the boundary's payload) against the measured median, each
+   route twice: simulating the median costs, and (``<route>_rounds``) simulating every timed
+   round with its own costs and taking the median step (``per_round=True``: a step is a
+   maximum over paths, so the step of median costs is too fast wherever costs vary):
    the signed error of the step time; per schedule and re-materialization, the throughput at
    each M normalised to M=1 (Table 2's quantity), predicted against measured, and its signed
    error; per M, the median error and how many are of each sign; Kendall's tau between the
@@ -194,8 +197,9 @@ def measure_worker(rank: int, world_size: int, args: argparse.Namespace,
 # --- the report -----------------------------------------------------------------------------
 
 
-def predict(profile: dict[str, Any], entry: dict[str, Any]) -> float:
-    """``gp.simulate``'s step time for one configuration from its replayed stage costs."""
+def predict(profile: dict[str, Any], entry: dict[str, Any], *, per_round: bool = False) -> float:
+    """``gp.simulate``'s step time for one configuration from its stage costs: of the median
+    costs, or (``per_round``) the median over the rounds of each round's own costs."""
     stages = entry["stages"]
     latency, per_byte = fit_transfer({int(k): v for k, v in profile["transfer_points"].items()})
     m = entry["M"]
@@ -208,9 +212,9 @@ def predict(profile: dict[str, Any], entry: dict[str, Any]) -> float:
         recompute=[st["recompute"] for st in stages],
         backward_input=[st["backward_input"] for st in stages] if split else None,
         backward_weight=[st["backward_weight"] for st in stages] if split else None,
-        transfer=[link])
+        transfer=[link], samples=[st.get("samples") or {} for st in stages])
     schedule = gp.get_schedule(entry["schedule"], K, m)
-    return gp.simulate(schedule, costs).step_time
+    return gp.simulate(schedule, costs, per_round=per_round).step_time
 
 
 def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -229,6 +233,9 @@ def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
 # 1F1B without re-materialization run the same actions in another order.
 CROSS = {("gpipe", "never"): ("1f1b", "never"), ("1f1b", "never"): ("gpipe", "never")}
 ROUTES = ("replay", "pipeline", "in_situ")
+# Each route twice: the step of the median costs, and (``_rounds``) the median of the steps of
+# each timed round's own costs (``gp.simulate(..., per_round=True)``).
+KINDS = {"": False, "_rounds": True}
 
 
 def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
@@ -255,9 +262,12 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
         for route, stages in sources.items():
             if stages is None:
                 continue
-            predicted = predict(profile, {**entry, "stages": stages})
-            row[f"{route}_predicted_s"] = predicted
-            row[f"{route}_error"] = predicted / actual - 1
+            for suffix, per_round in KINDS.items():
+                if per_round and not all(st.get("samples") for st in stages):
+                    continue  # costs without their rounds
+                predicted = predict(profile, {**entry, "stages": stages}, per_round=per_round)
+                row[f"{route}{suffix}_predicted_s"] = predicted
+                row[f"{route}{suffix}_error"] = predicted / actual - 1
         if sources["in_situ"] is not None:
             row["in_pipeline_over_replay"] = [
                 {kind: ran[kind] / mine[kind] for kind in ("forward", "backward")
@@ -271,14 +281,14 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
                      (row["schedule"], row["checkpoint"], 1)), None)
         row["normalised_measured"] = None if base is None else (
             base["measured_s"] / row["measured_s"])
-        for route in ROUTES:
+        for route in (r + suffix for r in ROUTES for suffix in KINDS):
             if base is None or f"{route}_predicted_s" not in row:
                 continue
             predicted = base[f"{route}_predicted_s"] / row[f"{route}_predicted_s"]
             row[f"{route}_normalised_predicted"] = predicted
             row[f"{route}_normalised_error"] = predicted / row["normalised_measured"] - 1
-    summaries = {route: _summary(rows, route) for route in (*ROUTES, "cross")
-                 if any(f"{route}_error" in r for r in rows)}
+    summaries = {route + suffix: _summary(rows, route + suffix) for route in (*ROUTES, "cross")
+                 for suffix in KINDS if any(f"{route}{suffix}_error" in r for r in rows)}
     return {"rows": rows, "summary": summaries, "goals": GOALS,
             "measurement_floor": measurement_floor(rows)}
 
@@ -333,12 +343,13 @@ def _summary(rows: list[dict[str, Any]], route: str) -> dict[str, Any]:
 
 def print_report(name: str, report: dict[str, Any]) -> None:
     print(f"{name}: predicted (profile launch) against measured (measure launch)")
-    routes = [r for r in ("replay", "pipeline", "cross") if r in report["summary"]]
+    routes = [r for r in ("replay", "pipeline", "pipeline_rounds", "cross")
+              if r in report["summary"]]
     print(f"{'M':>3} {'schedule':<8}{'ckpt':<12}{'measured':>9}"
-          + "".join(f"{route:>10}{'err':>7}" for route in routes))
+          + "".join(f"{route:>16}{'err':>7}" for route in routes))
     for r in report["rows"]:
-        cells = "".join(f"{r[f'{route}_predicted_s']:>10.4f}{r[f'{route}_error']:>+7.1%}"
-                        if f"{route}_error" in r else " " * 17 for route in routes)
+        cells = "".join(f"{r[f'{route}_predicted_s']:>16.4f}{r[f'{route}_error']:>+7.1%}"
+                        if f"{route}_error" in r else " " * 23 for route in routes)
         print(f"{r['M']:>3} {r['schedule']:<8}{r['checkpoint']:<12}{r['measured_s']:>9.4f}"
               + cells)
     floor = report.get("measurement_floor")
@@ -347,7 +358,7 @@ def print_report(name: str, report: dict[str, Any]) -> None:
               f"{floor['median_abs_error']:.1%}, worst {floor['worst_abs_error']:.1%}, "
               f"Kendall tau {floor['kendall_tau']:.2f}")
     for route, s in report["summary"].items():
-        print(f"  {route:9s}: median |error| {s['median_abs_error']:.1%}, worst "
+        print(f"  {route:15s}: median |error| {s['median_abs_error']:.1%}, worst "
               f"{s['worst_abs_error']:.1%}, Kendall tau {s['kendall_tau']:.2f}, one sign at "
               f"some M: {s['one_sign_at_some_M']}; goals met: {s['goals_met']}")
 

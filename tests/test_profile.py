@@ -233,3 +233,52 @@ def test_a_partial_or_foreign_timeline_is_refused() -> None:
         gp.profile_timeline(events, gp.get_schedule("gpipe", 2, 2), checkpoint="never")
     with pytest.raises(ValueError, match="empty"):
         gp.profile_timeline([], schedule, checkpoint="never")
+
+
+def test_a_round_of_a_profile_holds_that_rounds_costs() -> None:
+    schedule = gp.get_schedule("gpipe", 2, 4)
+    profile = gp.profile_timeline(_events(schedule, {"F": 1.0, "B": 2.0}, steps=3), schedule,
+                                  checkpoint="never", transfer=0.25)
+    assert profile.num_rounds == 3
+    last = profile.round(2)  # step 2: 0.02 s more than step 0 on stage 0, 0.03 on stage 1
+    assert last.forward == pytest.approx([1.02, 1.03])
+    assert last.backward == pytest.approx([2.02, 2.03])
+    assert last.transfer == [0.25] and last.rounds == 1 and last.checkpoint == "never"
+    with pytest.raises(ValueError, match=r"round 3 of a profile with 3 timed rounds"):
+        profile.round(3)
+
+
+def _made_up(forward: list[list[float]], backward: list[list[float]]) -> gp.StageProfile:
+    """A fill-drain profile (K=2, M=1) with the given per-round costs of each stage."""
+    samples = [{"F": f, "B": b} for f, b in zip(forward, backward, strict=True)]
+    median = [sorted(v)[len(v) // 2] for v in forward]
+    return gp.StageProfile(schedule="gpipe", num_microbatches=1, checkpoint="never",
+                           forward=median, backward=[sorted(v)[len(v) // 2] for v in backward],
+                           forward_no_grad=median, recompute=median, samples=samples)
+
+
+def test_per_round_simulation_predicts_the_median_step_not_the_step_of_median_costs() -> None:
+    # At K=2, M=1 a step is F0 + F1 + B1 + B0. Round 0: stage 0 slow (6 s), round 1: stage 1
+    # slow (6 s), round 2: both fast (4 s); every median cost is the fast one (4 s).
+    profile = _made_up(forward=[[2.0, 1.0, 1.0], [1.0, 2.0, 1.0]],
+                       backward=[[2.0, 1.0, 1.0], [1.0, 2.0, 1.0]])
+    schedule = gp.get_schedule("gpipe", 2, 1)
+    assert gp.simulate(schedule, profile).step_time == pytest.approx(4.0)
+    assert gp.simulate(schedule, profile, per_round=True).step_time == pytest.approx(6.0)
+    # An argument beside the profile still replaces its costs in every round (two crossings).
+    assert gp.simulate(schedule, profile, transfer=0.5,
+                       per_round=True).step_time == pytest.approx(7.0)
+
+
+def test_per_round_simulation_needs_aligned_rounds() -> None:
+    schedule = gp.get_schedule("gpipe", 2, 1)
+    with pytest.raises(ValueError, match="give a StageProfile"):
+        gp.simulate(schedule, [1.0, 1.0], [1.0, 1.0], per_round=True)
+    uneven = _made_up(forward=[[1.0, 1.0, 1.0], [1.0, 1.0]], backward=[[1.0] * 3, [1.0] * 2])
+    with pytest.raises(ValueError, match=r"\[2, 3\] rounds"):
+        gp.simulate(schedule, uneven, per_round=True)
+    bare = gp.StageProfile(schedule="gpipe", num_microbatches=1, checkpoint="never",
+                           forward=[1.0, 1.0], backward=[1.0, 1.0],
+                           forward_no_grad=[1.0, 1.0], recompute=[1.0, 1.0])
+    with pytest.raises(ValueError, match="no per-round samples"):
+        gp.simulate(schedule, bare, per_round=True)

@@ -121,7 +121,12 @@ def test_both_launches_write_their_json_and_the_report(tmp_path: Path) -> None:
         assert len(row["in_pipeline_over_replay"]) == 2
         assert all(w >= 0 for w in row["wait_per_step"])
     summary = report["summary"]
-    assert set(summary) == {"replay", "pipeline", "in_situ", "cross"}
+    assert set(summary) == {route + suffix for route in ("replay", "pipeline", "in_situ", "cross")
+                            for suffix in ("", "_rounds")}
+    for row in report["rows"]:  # one timed round: its own costs are the medians
+        for route in ("replay", "pipeline", "in_situ"):
+            assert row[f"{route}_rounds_predicted_s"] == pytest.approx(
+                row[f"{route}_predicted_s"], rel=1e-12)
     assert set(summary["replay"]["per_M"]) == {"1", "2"}
     assert -1 <= summary["pipeline"]["kendall_tau"] <= 1
     assert "encoder: predicted (profile launch) against measured" in result.stdout
