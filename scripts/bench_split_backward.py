@@ -12,6 +12,9 @@ autograd call at every boundary (what W did before it computed linear and convol
 gradients from their saved inputs; the benchmark switches ``split_backward``'s direct path off): round-robin, so that load
 drifts touch all alike; one thread. It reports the median seconds of B, I, W and I + W; a
 zero-bubble schedule pays I + W - B per micro-batch for moving W off the critical path.
+After the timed rounds, ``--op-rounds`` more run under ``torch.profiler``: each kind's aten
+operators' own time (``operators``: what the arithmetic costs, and the rest of the wall time,
+which is Python and autograd bookkeeping) and its five costliest operators.
 Writes the medians with every round's samples to ``--out`` and, with
 ``scripts.harness.provenance`` (commit, torch, UTC time, machine, load before and after), to
 ``--json`` (default ``docs/reproduction/split_backward_<model>.json``, the file the pages cite).
@@ -124,6 +127,47 @@ def measure(case: Case, step: int, kind: str) -> list[float]:
     return [middle - start, time.perf_counter() - middle]
 
 
+def operator_time(case: Case, rounds: int, step: int) -> dict[str, dict[str, Any]]:
+    """Per kind (B, I, W): the seconds its aten operators themselves ran (self CPU time under
+    ``torch.profiler``, the median over ``rounds``) and the five costliest operators. What a
+    kind's wall time has beyond its operators is the Python and autograd bookkeeping around
+    them (the split's graph analysis in I, W's per-node calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    totals: dict[str, list[float]] = {"B": [], "I": [], "W": []}
+    per_op: dict[str, dict[str, list[float]]] = {kind: {} for kind in totals}
+
+    def record(kind: str, prof: Any) -> None:
+        ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()
+               if e.key.startswith("aten::")}
+        totals[kind].append(sum(ops.values()))
+        for name, seconds in ops.items():
+            per_op[kind].setdefault(name, []).append(seconds)
+
+    stage = case.stage
+    for r in range(rounds):
+        for kind in ("B", "I"):
+            stage.begin_step(step + r, 1)
+            stage.forward(step + r, 0, case.inputs, case.targets)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                if kind == "B":
+                    stage.backward(step + r, 0, case.grads)
+                else:
+                    stage.backward_input(step + r, 0, case.grads)
+            record(kind, prof)
+            if kind == "I":
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    stage.backward_weight(step + r, 0)
+                record("W", prof)
+    result = {}
+    for kind, values in totals.items():
+        medians = {name: statistics.median(v + [0.0] * (rounds - len(v)))
+                   for name, v in per_op[kind].items()}
+        top = sorted(medians.items(), key=lambda item: -item[1])[:5]
+        result[kind] = {"aten_s": statistics.median(values), "top_aten_s": dict(top)}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "transformer", *APP_FAMILIES], default="mlp")
@@ -132,6 +176,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--op-rounds", type=int, default=5,
+                        help="rounds under torch.profiler for the operators' own time (0: none)")
     parser.add_argument("--out", default="out/bench_split_backward")
     parser.add_argument("--json", default=None,
                         help="the result with its provenance, where the pages cite it "
@@ -167,15 +213,25 @@ def main() -> None:
         both_engine = statistics.median(r[0] + r[1] for r in engine)
         print(f"{case.name:<9}{b * 1e3:>8.2f}{i * 1e3:>8.2f}{w * 1e3:>8.2f}{both * 1e3:>8.2f}"
               f"{both / b:>9.2f}{w_engine * 1e3:>12.2f}{both_engine / b:>9.2f}")
-        report.append({"checkpoint" if args.model not in APP_FAMILIES else "stage": case.name,
-                       "B": b, "I": i, "W": w, "I+W": both,
-                       "W_autograd": w_engine, "I+W_autograd": both_engine,
-                       "W_rounds_won_by_direct": sum(a[1] < e[1]
-                                                     for a, e in zip(split, engine, strict=True)),
-                       "samples": {"B": fused, "I": [r[0] for r in split],
-                                   "W": [r[1] for r in split],
-                                   "I_autograd": [r[0] for r in engine],
-                                   "W_autograd": [r[1] for r in engine]}})
+        row: dict[str, Any] = {
+            "checkpoint" if args.model not in APP_FAMILIES else "stage": case.name,
+            "B": b, "I": i, "W": w, "I+W": both,
+            "W_autograd": w_engine, "I+W_autograd": both_engine,
+            "W_rounds_won_by_direct": sum(a[1] < e[1] for a, e in zip(split, engine, strict=True)),
+            "samples": {"B": fused, "I": [r[0] for r in split], "W": [r[1] for r in split],
+                        "I_autograd": [r[0] for r in engine],
+                        "W_autograd": [r[1] for r in engine]}}
+        if args.op_rounds > 0:  # after the timed rounds, so that profiling never touches them
+            ops = operator_time(case, args.op_rounds, 10_000)
+            walls = {"B": b, "I": i, "W": w}
+            for kind, entry in ops.items():
+                entry["wall_minus_aten_s"] = walls[kind] - entry["aten_s"]
+            row["operators"] = ops
+            print(f"{'':<9}aten operators alone: B {ops['B']['aten_s'] * 1e3:.2f}, "
+                  f"I {ops['I']['aten_s'] * 1e3:.2f}, W {ops['W']['aten_s'] * 1e3:.2f} ms; "
+                  f"(I+W)/B of the operators "
+                  f"{(ops['I']['aten_s'] + ops['W']['aten_s']) / ops['B']['aten_s']:.2f}")
+        report.append(row)
     result = {"provenance": provenance(load_before), "config": vars(args), "rows": report}
     out = Path(args.out)
     write_json(out / f"{args.model}.json", result)
