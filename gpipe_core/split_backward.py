@@ -168,22 +168,26 @@ def _run_directly(group: _Group, captured: dict[Node, tuple[Tensor | None, ...]]
     if group.roots:
         return False
     plan = []
+    branches = group.branches
     for node in group.boundaries:
-        wanted = [i for i, (child, _) in enumerate(node.next_functions)
-                  if child is not None and child in group.branches]
-        if not weight_grads.knows(node, wanted):
+        edges = node.next_functions
+        wanted = [i for i, (child, _) in enumerate(edges)
+                  if child is not None and child in branches]
+        rule = weight_grads.rule_for(node, wanted)
+        if rule is None:
             return False
-        plan.append((node, wanted))
+        plan.append((node, edges, wanted, rule))
     targets = {id(p) for p in group.params}
-    for node, wanted in plan:
-        grad = captured[node][0]
-        if grad is None or not wanted:
-            continue
-        outputs = weight_grads.parameter_outputs(node, grad, wanted)
-        for index in wanted:
-            child, input_nr = node.next_functions[index]
-            assert child is not None  # a branch
-            _into_branch(child, input_nr, outputs[index], targets, group.params)
+    with torch.no_grad():
+        for node, edges, wanted, rule in plan:
+            grad = captured[node][0]
+            if grad is None or not wanted:
+                continue
+            outputs = rule(node, grad, wanted)
+            for index in wanted:
+                child, input_nr = edges[index]
+                assert child is not None  # a branch
+                _into_branch(child, input_nr, outputs[index], targets, group.params)
     return True
 
 
@@ -191,16 +195,16 @@ def _into_branch(child: Node, input_nr: int, grad: Tensor, targets: set[int],
                  params: list[Tensor]) -> None:
     """Deliver ``grad`` along the edge into ``child``, as the engine would: into the
     parameter's ``.grad`` when ``child`` is its accumulator (or a transpose of it) and the
-    parameter has no hooks; else by an autograd call rooted at the edge."""
+    parameter has no hooks; else by an autograd call rooted at the edge. Runs under
+    ``torch.no_grad()`` (the autograd call computes gradients there as anywhere)."""
     transpose = child.name() == "TBackward0"
     accumulator = child.next_functions[0][0] if transpose else child
     variable = getattr(accumulator, "variable", None)
     if variable is not None and id(variable) in targets and not _has_hooks(variable):
-        with torch.no_grad():
-            grad = grad.t() if transpose else grad
-            if grad.shape != variable.shape:  # a broadcast bias: the engine's sum_to
-                grad = grad.sum_to_size(variable.shape)
-            _accumulate(variable, grad)
+        grad = grad.t() if transpose else grad
+        if grad.shape != variable.shape:  # a broadcast bias: the engine's sum_to
+            grad = grad.sum_to_size(variable.shape)
+        _accumulate(variable, grad)
         return
     torch.autograd.backward([GradientEdge(child, input_nr)], [grad], inputs=params,
                             retain_graph=True)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import Node
 
-__all__ = ["knows", "parameter_outputs"]
+__all__ = ["knows", "parameter_outputs", "rule_for"]
 
 # A node of a given class, with the ``_saved_*`` attributes autograd generates for that class.
 SavedNode = Any
@@ -80,8 +80,14 @@ RULES: dict[str, tuple[frozenset[int], Rule]] = {
 
 def knows(node: Node, wanted: Sequence[int]) -> bool:
     """Whether :func:`parameter_outputs` computes outputs ``wanted`` of ``node``."""
-    rule = RULES.get(node.name())
-    return rule is not None and set(wanted) <= rule[0]
+    return rule_for(node, wanted) is not None
+
+
+def rule_for(node: Node, wanted: Sequence[int]) -> Rule | None:
+    """The rule computing outputs ``wanted`` of ``node`` (call it under ``torch.no_grad()``
+    as ``rule(node, grad, wanted)``), or None where there is none."""
+    entry = RULES.get(node.name())
+    return entry[1] if entry is not None and entry[0].issuperset(wanted) else None
 
 
 def parameter_outputs(node: Node, grad: Tensor, wanted: Sequence[int]) -> dict[int, Tensor]:
