@@ -17,7 +17,10 @@ as ``scripts/bench_pipeline.py`` runs them), so a prediction never sees the roun
    the profile's balance for every configuration, round-robin (one step of each per round, so
    that changes in the machine's load touch all alike); a step lasts as long as its slowest
    rank; the per-round samples are kept.
-3. **Report** (``<out>/<family>_validation.json``): per configuration and route (``replay``,
+3. **Measure again** (``<out>/<family>_remeasured.json``), launch 3, the same as launch 2: its
+   medians as a prediction of launch 2's (``another_launch``) are the floor of any prediction
+   made in one launch for another on this host (a profile is a launch too).
+4. **Report** (``<out>/<family>_validation.json``): per configuration and route (``replay``,
    ``pipeline``: launch 1's costs; ``cross``: fill-drain from 1F1B's launch-1 pipeline costs at
    the same M and the reverse; ``in_situ``: launch 2's own actions, not a prediction but the
    split of the error between costs and schedule model), ``gp.simulate`` on those costs
@@ -238,12 +241,17 @@ ROUTES = ("replay", "pipeline", "in_situ")
 KINDS = {"": False, "_rounds": True}
 
 
-def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+def compare(profile: dict[str, Any], measured: dict[str, Any],
+            remeasured: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted against measured per configuration, per M, normalised to M=1, and the goals,
     for each route to the costs: ``replay`` (launch 1's ``gp.profile_stages``), ``pipeline``
     (launch 1's running pipelines, ``DistributedGPipe.profile()``), ``in_situ`` (launch 2's
     own actions: not a prediction, the split of the error between costs and schedule model);
-    and ``cross``: a configuration from another configuration's launch-1 pipeline costs."""
+    and ``cross``: a configuration from another configuration's launch-1 pipeline costs.
+    With ``remeasured`` (launch 3, the measurement repeated), ``another_launch``: launch 3's
+    median step as the prediction of launch 2's, the floor of any prediction from a launch."""
+    again = {} if remeasured is None else {
+        (r["schedule"], r["checkpoint"], r["M"]): r["seconds"] for r in remeasured["rows"]}
     by_key = {(r["schedule"], r["checkpoint"], r["M"]): r for r in measured["rows"]}
     entries = {(e["schedule"], e["checkpoint"], e["M"]): e for e in profile["profiles"]}
     rows = []
@@ -268,6 +276,9 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
                 predicted = predict(profile, {**entry, "stages": stages}, per_round=per_round)
                 row[f"{route}{suffix}_predicted_s"] = predicted
                 row[f"{route}{suffix}_error"] = predicted / actual - 1
+        if key in again:
+            row["another_launch_predicted_s"] = again[key]
+            row["another_launch_error"] = again[key] / actual - 1
         if sources["in_situ"] is not None:
             row["in_pipeline_over_replay"] = [
                 {kind: ran[kind] / mine[kind] for kind in ("forward", "backward")
@@ -281,7 +292,7 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
                      (row["schedule"], row["checkpoint"], 1)), None)
         row["normalised_measured"] = None if base is None else (
             base["measured_s"] / row["measured_s"])
-        for route in (r + suffix for r in ROUTES for suffix in KINDS):
+        for route in [r + suffix for r in ROUTES for suffix in KINDS] + ["another_launch"]:
             if base is None or f"{route}_predicted_s" not in row:
                 continue
             predicted = base[f"{route}_predicted_s"] / row[f"{route}_predicted_s"]
@@ -289,6 +300,8 @@ def compare(profile: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]
             row[f"{route}_normalised_error"] = predicted / row["normalised_measured"] - 1
     summaries = {route + suffix: _summary(rows, route + suffix) for route in (*ROUTES, "cross")
                  for suffix in KINDS if any(f"{route}{suffix}_error" in r for r in rows)}
+    if any("another_launch_error" in r for r in rows):
+        summaries["another_launch"] = _summary(rows, "another_launch")
     return {"rows": rows, "summary": summaries, "goals": GOALS,
             "measurement_floor": measurement_floor(rows)}
 
@@ -343,7 +356,7 @@ def _summary(rows: list[dict[str, Any]], route: str) -> dict[str, Any]:
 
 def print_report(name: str, report: dict[str, Any]) -> None:
     print(f"{name}: predicted (profile launch) against measured (measure launch)")
-    routes = [r for r in ("replay", "pipeline", "pipeline_rounds", "cross")
+    routes = [r for r in ("replay", "pipeline", "pipeline_rounds", "cross", "another_launch")
               if r in report["summary"]]
     print(f"{'M':>3} {'schedule':<8}{'ckpt':<12}{'measured':>9}"
           + "".join(f"{route:>16}{'err':>7}" for route in routes))
@@ -366,7 +379,10 @@ def print_report(name: str, report: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=["transformer", "encoder", "amoebanet"])
-    parser.add_argument("--phase", choices=["all", "profile", "measure", "report"], default="all")
+    parser.add_argument("--phase", choices=["all", "profile", "measure", "remeasure", "report"],
+                        default="all",
+                        help="remeasure: launch 3, the measurement again (the floor of any "
+                             "prediction from another launch; all runs it too)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(MICROBATCHES))
     parser.add_argument("--rounds", type=int, default=9, help="timed rounds (profile, measure)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds when measuring")
@@ -385,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for name in args.families:
         args.family = name
         paths = {kind: args.out / f"{name}_{kind}.json"
-                 for kind in ("profile", "measured", "validation")}
+                 for kind in ("profile", "measured", "remeasured", "validation")}
         if args.phase in ("all", "profile"):
             load = os.getloadavg()
             started = time.monotonic()
@@ -394,22 +410,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             write_json(paths["profile"], {"family": name, "config": _config(args),
                                           "provenance": provenance(load),
                                           "seconds": time.monotonic() - started, **run})
-        if args.phase in ("all", "measure"):
+        for phase, kind in (("measure", "measured"), ("remeasure", "remeasured")):
+            if args.phase not in ("all", phase):
+                continue
             profile = json.loads(paths["profile"].read_text())
             load = os.getloadavg()
             started = time.monotonic()
             run = json.loads(spawn(measure_worker, K, None, args, profile["balance"],
                                    setup=setup_process, pg_timeout_s=300, timeout_s=None)[0])
-            write_json(paths["measured"], {"family": name, "config": _config(args),
-                                           "balance": profile["balance"],
-                                           "provenance": provenance(load),
-                                           "seconds": time.monotonic() - started, **run})
+            write_json(paths[kind], {"family": name, "config": _config(args),
+                                     "balance": profile["balance"],
+                                     "provenance": provenance(load),
+                                     "seconds": time.monotonic() - started, **run})
         profile = json.loads(paths["profile"].read_text())
         measured = json.loads(paths["measured"].read_text())
-        report = compare(profile, measured)
+        remeasured = (json.loads(paths["remeasured"].read_text())
+                      if paths["remeasured"].exists() else None)
+        if remeasured is not None and remeasured["provenance"]["utc"] < measured["provenance"]["utc"]:
+            remeasured = None  # from an earlier run: not launch 3 of this one
+        report = compare(profile, measured, remeasured)
         report.update(family=name, balance=profile["balance"],
                       profile_provenance=profile["provenance"],
                       measured_provenance=measured["provenance"],
+                      remeasured_provenance=None if remeasured is None
+                      else remeasured["provenance"],
                       command="python scripts/validate_simulator.py " + " ".join(
                           argv if argv is not None else sys.argv[1:]))
         write_json(paths["validation"], report)

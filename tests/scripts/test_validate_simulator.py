@@ -95,7 +95,7 @@ def test_compare_predicts_from_pipeline_costs_and_across_configurations() -> Non
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_both_launches_write_their_json_and_the_report(tmp_path: Path) -> None:
+def test_the_three_launches_write_their_json_and_the_report(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "validate_simulator.py"), "--tiny",
          "--families", "encoder", "--microbatches", "1", "2", "--rounds", "1", "--warmup", "0",
@@ -122,7 +122,12 @@ def test_both_launches_write_their_json_and_the_report(tmp_path: Path) -> None:
         assert all(w >= 0 for w in row["wait_per_step"])
     summary = report["summary"]
     assert set(summary) == {route + suffix for route in ("replay", "pipeline", "in_situ", "cross")
-                            for suffix in ("", "_rounds")}
+                            for suffix in ("", "_rounds")} | {"another_launch"}
+    remeasured = json.loads((tmp_path / "encoder_remeasured.json").read_text())
+    again = {(r["schedule"], r["checkpoint"], r["M"]): r["seconds"] for r in remeasured["rows"]}
+    for row in report["rows"]:  # launch 3's median as the prediction of launch 2's
+        assert row["another_launch_error"] == pytest.approx(
+            again[(row["schedule"], row["checkpoint"], row["M"])] / row["measured_s"] - 1)
     for row in report["rows"]:  # one timed round: its own costs are the medians
         for route in ("replay", "pipeline", "in_situ"):
             assert row[f"{route}_rounds_predicted_s"] == pytest.approx(
