@@ -69,6 +69,9 @@ class NMTConfig:
     languages: list[str] = field(default_factory=lambda: [
         "af", "co", "de", "es", "fr", "ga", "hsb", "li", "nap", "nso", "pt", "sq", "sw", "zu"])
     sampling_temperature: float = 5.0  # draw language l with p ~ n_l^(1/T); 1 = proportional
+    # the corpus's own seed (the tokenizer's training sample), apart from `seed`: runs of
+    # different seeds then share one corpus (same tokenizer, same splits)
+    corpus_seed: int = 0
     # resource buckets of the BLEU report: high from the first count of training pairs up, low
     # below the second, medium between; null = terciles of the trained languages (tiny corpora)
     bucket_thresholds: list[int] | None = field(default_factory=lambda: [10_000, 1_000])

@@ -121,8 +121,8 @@ def make_optimizer(config: NMTConfig, params: list[torch.nn.Parameter]) -> torch
 def prepare_corpus(config: NMTConfig) -> None:
     """Build the corpus under ``data_dir`` unless it is there with the config's settings.
 
-    A corpus prepared there with other settings (languages, packages, vocabulary) is an error
-    rather than silently rebuilt: another run may be using it. ``packages: none`` uses the
+    A corpus prepared there with other settings (languages, packages, vocabulary, its seed
+    ``corpus_seed``) is an error rather than silently rebuilt: another run may be using it. ``packages: none`` uses the
     corpus found in ``data_dir`` as it is (e.g. one prepared from your own TSV files).
     """
     from data.gettext_m2en.corpus_format import read_manifest
@@ -141,6 +141,7 @@ def prepare_corpus(config: NMTConfig) -> None:
             "packages": list(resolve_packages(config.packages)),
             "languages": languages,
             "vocab_size": config.vocab_size,
+            "seed": config.corpus_seed,
         }
         differ = {k: (built.get(k), v) for k, v in wanted.items() if built.get(k) != v}
         if differ:
@@ -150,12 +151,12 @@ def prepare_corpus(config: NMTConfig) -> None:
                 f"{config.data_dir} to rebuild it)"
             )
     try:
-        prepare(
+        prepare(  # under the corpus's lock: runs started together build it once
             config.data_dir,
             packages=config.packages,
             languages=languages,
             vocab_size=config.vocab_size,
-            seed=config.seed,
+            seed=config.corpus_seed,
             num_threads=max(1, os.cpu_count() or 1),
         )
     except PrepareError as error:

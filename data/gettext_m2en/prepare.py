@@ -31,6 +31,7 @@ from data.gettext_m2en.corpus_format import (
 )
 from data.gettext_m2en.errors import PrepareError
 from data.gettext_m2en.fetch import gather_catalogs, resolve_packages
+from data.gettext_m2en.lock import corpus_lock
 from data.gettext_m2en.shards import write_corpus_shards
 from data.gettext_m2en.splits import split_corpus
 from data.gettext_m2en.tokenizer import train_tokenizer
@@ -87,78 +88,79 @@ def prepare(
         "block_size": block_size,
         "seed": seed,
     }
-    manifest = read_manifest(out)
-    if manifest is not None and not force:
-        if manifest.get("config") == config and manifest.get("format") == FORMAT_VERSION:
-            return manifest
+    with corpus_lock(out):  # one builder at a time; the others then find it built
+        manifest = read_manifest(out)
+        if manifest is not None and not force:
+            if manifest.get("config") == config and manifest.get("format") == FORMAT_VERSION:
+                return manifest
 
-    def log(message: str) -> None:
-        if verbose:
-            print(f"[gettext_m2en {time.monotonic() - started:6.1f}s] {message}", file=sys.stderr)
+        def log(message: str) -> None:
+            if verbose:
+                print(f"[gettext_m2en {time.monotonic() - started:6.1f}s] {message}", file=sys.stderr)
 
-    if not (package_names or locale_roots or tsv_files or aligned_dirs):
-        raise PrepareError(
-            "no corpus source given; pass packages='quick' (or --packages quick), "
-            "locale_roots, tsv_files or aligned_dirs"
+        if not (package_names or locale_roots or tsv_files or aligned_dirs):
+            raise PrepareError(
+                "no corpus source given; pass packages='quick' (or --packages quick), "
+                "locale_roots, tsv_files or aligned_dirs"
+            )
+        if not (dev_fraction >= 0 and test_fraction >= 0 and dev_fraction + test_fraction < 1):
+            raise ValueError(
+                f"dev_fraction={dev_fraction}, test_fraction={test_fraction}: "
+                "each must be >= 0 and their sum < 1"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST_FILE).unlink(missing_ok=True)  # a half-built corpus must not look finished
+
+        catalogs, sources = gather_catalogs(package_names, locale_roots, out, log,
+                                            has_user_corpora=bool(tsv_files or aligned_dirs))
+        pairs = collect_pairs(catalogs, tsv_files, aligned_dirs, max_chars=max_chars, log=log)
+        sources += [f"tsv:{p}" for p in tsv_files] + [f"aligned:{d}" for d in aligned_dirs]
+        kept = select_languages(pairs, languages, sources)
+        log(f"{pairs.raw_pairs} raw pairs -> {len(kept)} unique clean pairs; "
+            f"dropped {dict(pairs.dropped)}")
+        splits, counts, kept_languages = split_corpus(
+            pairs.triples, kept, out, dev_fraction=dev_fraction, test_fraction=test_fraction, log=log
         )
-    if not (dev_fraction >= 0 and test_fraction >= 0 and dev_fraction + test_fraction < 1):
-        raise ValueError(
-            f"dev_fraction={dev_fraction}, test_fraction={test_fraction}: "
-            "each must be >= 0 and their sum < 1"
+
+        import sentencepiece as spm
+
+        model_path = train_tokenizer(
+            splits["train"],
+            out / "spm",
+            vocab_size=vocab_size,
+            temperature=spm_temperature,
+            max_sentences=spm_max_sentences,
+            seed=seed,
+            num_threads=num_threads,
         )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_FILE).unlink(missing_ok=True)  # a half-built corpus must not look finished
+        sp = spm.SentencePieceProcessor(model_file=str(model_path))
+        log(f"sentencepiece: {sp.get_piece_size()} pieces (asked {vocab_size})")
+        id_dtype, shard_files = write_corpus_shards(splits, out / "shards", sp=sp,
+                                                    block_size=block_size)
 
-    catalogs, sources = gather_catalogs(package_names, locale_roots, out, log,
-                                        has_user_corpora=bool(tsv_files or aligned_dirs))
-    pairs = collect_pairs(catalogs, tsv_files, aligned_dirs, max_chars=max_chars, log=log)
-    sources += [f"tsv:{p}" for p in tsv_files] + [f"aligned:{d}" for d in aligned_dirs]
-    kept = select_languages(pairs, languages, sources)
-    log(f"{pairs.raw_pairs} raw pairs -> {len(kept)} unique clean pairs; "
-        f"dropped {dict(pairs.dropped)}")
-    splits, counts, kept_languages = split_corpus(
-        pairs.triples, kept, out, dev_fraction=dev_fraction, test_fraction=test_fraction, log=log
-    )
-
-    import sentencepiece as spm
-
-    model_path = train_tokenizer(
-        splits["train"],
-        out / "spm",
-        vocab_size=vocab_size,
-        temperature=spm_temperature,
-        max_sentences=spm_max_sentences,
-        seed=seed,
-        num_threads=num_threads,
-    )
-    sp = spm.SentencePieceProcessor(model_file=str(model_path))
-    log(f"sentencepiece: {sp.get_piece_size()} pieces (asked {vocab_size})")
-    id_dtype, shard_files = write_corpus_shards(splits, out / "shards", sp=sp,
-                                                block_size=block_size)
-
-    elapsed = time.monotonic() - started
-    manifest = build_manifest(
-        config=config,
-        sources=sources,
-        vocab_size=sp.get_piece_size(),
-        id_dtype=id_dtype.name,
-        lang_tags={lang: sp.piece_to_id(lang_tag(lang)) for lang in kept_languages},
-        split_pairs={split: len(rows) for split, rows in splits.items()},
-        shard_files=shard_files,
-        stats={
-            "catalogs": len(catalogs),
-            "raw_pairs": pairs.raw_pairs,
-            "unique_pairs": len(kept),
-            "dropped": dict(pairs.dropped),
-            "languages": len(kept_languages),
-            "languages_10k_plus": sum(1 for n in counts["total"].values() if n >= 10_000),
-            "languages_under_1k": sum(1 for n in counts["total"].values() if n < 1_000),
-            "seconds": round(elapsed, 1),
-        },
-    )
-    write_manifest(out, manifest)
-    log(f"done in {elapsed:.1f}s: {manifest['stats']}")
-    return manifest
+        elapsed = time.monotonic() - started
+        manifest = build_manifest(
+            config=config,
+            sources=sources,
+            vocab_size=sp.get_piece_size(),
+            id_dtype=id_dtype.name,
+            lang_tags={lang: sp.piece_to_id(lang_tag(lang)) for lang in kept_languages},
+            split_pairs={split: len(rows) for split, rows in splits.items()},
+            shard_files=shard_files,
+            stats={
+                "catalogs": len(catalogs),
+                "raw_pairs": pairs.raw_pairs,
+                "unique_pairs": len(kept),
+                "dropped": dict(pairs.dropped),
+                "languages": len(kept_languages),
+                "languages_10k_plus": sum(1 for n in counts["total"].values() if n >= 10_000),
+                "languages_under_1k": sum(1 for n in counts["total"].values() if n < 1_000),
+                "seconds": round(elapsed, 1),
+            },
+        )
+        write_manifest(out, manifest)
+        log(f"done in {elapsed:.1f}s: {manifest['stats']}")
+        return manifest
 
 
 def main(argv: Sequence[str] | None = None) -> None:

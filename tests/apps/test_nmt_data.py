@@ -504,3 +504,16 @@ def test_a_truncated_shard_is_named_with_the_prepare_command(corpus: Path, tmp_p
                        rf"corpus with `python -m data.gettext_m2en.prepare --out {damaged} "
                        "--force`"):
         TrainBatches(damaged, max_tokens=256, temperature=1.0, seed=0)
+
+
+def test_one_process_at_a_time_prepares_a_corpus(tmp_path: Path) -> None:
+    from data.gettext_m2en.errors import PrepareError
+    from data.gettext_m2en.lock import corpus_lock
+
+    out = tmp_path / "corpus"
+    with corpus_lock(out):  # another holder (a second open file is another lock owner)
+        with pytest.raises(PrepareError, match=r"corpus\.lock for over 0 s while preparing"):
+            with corpus_lock(out, timeout_s=0.2, poll_s=0.05):
+                pass
+    with corpus_lock(out, timeout_s=0.2):  # released: taken at once
+        assert (tmp_path / "corpus.lock").exists()

@@ -310,3 +310,24 @@ def test_data_parallel_replicas_give_the_whole_batch_gradient(tmp_path: Path) ->
         assert loss == pytest.approx(plain_loss.item(), abs=1e-10)
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-10, msg=name)
+
+
+def test_training_seeds_share_one_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The corpus is prepared with ``corpus_seed``, never the training ``seed``: runs of other
+    seeds reuse it (a seed-1 run must not rebuild the seed-0 corpus under a seed-0 run)."""
+    import data.gettext_m2en.prepare as prepare_module
+    from data.gettext_m2en.fetch import resolve_packages
+
+    asked: list[int] = []
+    monkeypatch.setattr(prepare_module, "prepare", lambda *a, seed, **k: asked.append(seed))
+    config = replace(NMTConfig(), data_dir=str(tmp_path / "corpus"), seed=5)
+    train.prepare_corpus(config)
+    train.prepare_corpus(replace(config, corpus_seed=3))
+    assert asked == [0, 3]
+    # a corpus built with another corpus seed is refused, not rebuilt under a running sweep
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "manifest.json").write_text(json.dumps({"format": 2, "config": {
+        "packages": list(resolve_packages("quick")), "languages": sorted(config.languages),
+        "vocab_size": config.vocab_size, "seed": 1}}))
+    with pytest.raises(ConfigError, match=r"'seed': \(1, 0\)"):
+        train.prepare_corpus(config)
