@@ -113,12 +113,13 @@ class QuietIOThreads:
         self._tasks_seen = -1
 
     def refresh(self) -> list[int]:
-        """Find the threads again when the process's thread count changed (new groups)."""
+        """Find the threads again when the process's thread count changed (new groups), or
+        while none has been found (a new thread names itself after it starts)."""
         if not self.enabled:
             return []
         try:
             tasks = os.listdir(_TASKS)
-            if len(tasks) != self._tasks_seen:
+            if len(tasks) != self._tasks_seen or not self._threads:
                 self._tasks_seen = len(tasks)
                 self._threads = [int(t) for t in tasks if _thread_name(t) == self.name]
         except OSError:
