@@ -68,7 +68,8 @@ def prepare(
 
     Writes under `out`: `pairs/{train,dev,test}.tsv`, `counts.json`, `spm/spm.model`,
     `shards/{split}-NNNNNN.tar` and, last, `manifest.json`. If a manifest with the same settings
-    exists, nothing is rebuilt (unless `force`).
+    exists, nothing is rebuilt (unless `force`). The whole runs under the lock `<out>.lock`
+    (`data.gettext_m2en.lock`): processes started together build the corpus once.
     """
     started = time.monotonic()
     out = Path(out)
