@@ -92,8 +92,8 @@ def simulate(
     round's own costs (:meth:`~gpipe_core.profile.StageProfile.round`) and return the round
     of median step time (the lower of the two middle ones for an even count). A step lasts as
     long as its slowest path, so where costs vary from round to round the median of the
-    rounds' step times is above the step time of the median costs: this predicts the median
-    step a pipeline will measure, where the median costs predict a step that is too fast.
+    rounds' step times is mostly above the step time of the median costs: this predicts the
+    median step a pipeline will measure, where the median costs tend to predict one too fast.
     """
     if per_round:
         from .profile import StageProfile
