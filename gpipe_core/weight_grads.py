@@ -8,7 +8,7 @@ root (the whole graph below the boundary), so a stage of n layers pays O(n) per 
 per W. Here each output is the formula autograd itself uses (``derivatives.yaml``), applied to
 the node's saved tensors: one matrix product per weight, nothing walked.
 
-:func:`knows` says whether a node's class and outputs have a formula here; for the others the
+:func:`rule_for` gives the formula for a node's class and outputs, or None; for the others the
 caller uses the engine.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import Node
 
-__all__ = ["knows", "parameter_outputs", "rule_for"]
+__all__ = ["rule_for"]
 
 # A node of a given class, with the ``_saved_*`` attributes autograd generates for that class.
 SavedNode = Any
@@ -78,21 +78,8 @@ RULES: dict[str, tuple[frozenset[int], Rule]] = {
 }
 
 
-def knows(node: Node, wanted: Sequence[int]) -> bool:
-    """Whether :func:`parameter_outputs` computes outputs ``wanted`` of ``node``."""
-    return rule_for(node, wanted) is not None
-
-
 def rule_for(node: Node, wanted: Sequence[int]) -> Rule | None:
     """The rule computing outputs ``wanted`` of ``node`` (call it under ``torch.no_grad()``
     as ``rule(node, grad, wanted)``), or None where there is none."""
     entry = RULES.get(node.name())
     return entry[1] if entry is not None and entry[0].issuperset(wanted) else None
-
-
-def parameter_outputs(node: Node, grad: Tensor, wanted: Sequence[int]) -> dict[int, Tensor]:
-    """Outputs ``wanted`` of ``node`` (indices into ``node.next_functions``) given the
-    gradient of its result, as autograd would compute them (before the engine sums a
-    broadcast output to its input's shape). Only for nodes :func:`knows`."""
-    with torch.no_grad():
-        return RULES[node.name()][1](node, grad, wanted)
