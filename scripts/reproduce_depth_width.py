@@ -53,7 +53,8 @@ copy-the-source; otherwise they are reported and marked ``below_copy``.
 Each run writes ``<out>/<arch>_s<seed>.json`` (commit, torch version, UTC time, load average,
 seed, parameters, tokens, dev curves, best step, epochs, per-sentence test statistics); a run
 whose JSON exists is skipped, so the sweep continues where it stopped. The report (after every
-phase, from whatever runs exist) writes ``<out>/_summary.json`` and ``<out>/_dev_loss.png``.
+phase, from whatever runs exist) writes ``<out>/_summary.json``, ``<out>/_dev_loss.png`` (mean
+dev loss per bucket against tokens) and ``<out>/_dev_loss_languages.png`` (every language's).
 
 ``--quick`` (the test suite): the tiny config as both architectures (deep 2 layers, wide 1 layer
 twice as wide), 2 seeds, 6 steps, checkpoints every 3, greedy decoding of a few test
@@ -438,6 +439,35 @@ def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], path:
     save_figure(fig, path, dpi=90)
 
 
+def plot_languages(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any],
+                   path: Path) -> None:
+    """Every language's dev loss against tokens, deep and wide, one line per run: the curves
+    at matched tokens behind each bucket's mean (high bucket first, then by training pairs)."""
+    plt = pyplot()
+    buckets, pairs = summary["buckets"], summary["train_pairs"]
+    languages = sorted(buckets, key=lambda x: (buckets[x] != "high", -pairs.get(x, 0), x))
+    columns = min(6, len(languages))
+    rows = -(-len(languages) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.2 * rows), squeeze=False,
+                             sharex=True)
+    for ax, lang in zip(axes.flat, languages, strict=False):  # spare panels hidden below
+        for r in results:
+            curve = [c for c in r["dev_curve"] if lang in c["dev_loss"]]
+            ax.plot([c["tokens"] or c["step"] for c in curve],
+                    [c["dev_loss"][lang] for c in curve], "-", linewidth=1,
+                    color="C0" if r["arch"] == "deep" else "C1",
+                    label=r["arch"] if r["seed"] == results[0]["seed"] else None)
+        ax.set_title(f"{lang} ({buckets[lang]}, {pairs.get(lang, 0):,} pairs)", fontsize=8)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(languages):]:
+        ax.set_visible(False)
+    axes[0][0].set_ylabel("dev loss (nats/token)", fontsize=7)
+    axes[0][0].legend(fontsize=6)
+    fig.supxlabel("training tokens (source + target); one line per run", fontsize=8)
+    save_figure(fig, path, dpi=80)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -488,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if results:
         write_result(args.out / "_summary.json", summary)
         plot(results, summary, args.out / "_dev_loss.png")
+        plot_languages(results, summary, args.out / "_dev_loss_languages.png")
         for metric, d in summary["D"].items():
             print(f"D[{metric}] = {d['point']} 95% {d['ci95']} (seeds {d['seeds']})")
     else:

@@ -271,5 +271,6 @@ def test_depth_width_quick_sweep_scores_runs_at_matched_tokens(corpus: Path,
         d = summary["D"][metric]
         assert d["seeds"] == [0, 1] and d["ci95"][0] <= d["point"] <= d["ci95"][1]
     assert (out / "_summary.json").exists() and (out / "_dev_loss.png").stat().st_size > 0
+    assert (out / "_dev_loss_languages.png").stat().st_size > 0
     again = reproduce_depth_width.main(args)
     assert again["ran_now"] == [] and again["D"]["loss"]["point"] == summary["D"]["loss"]["point"]
