@@ -57,8 +57,8 @@ phase, from whatever runs exist) writes ``<out>/_summary.json``, ``<out>/_dev_lo
 dev loss per bucket against tokens) and ``<out>/_dev_loss_languages.png`` (every language's).
 
 ``--quick`` (the test suite): the tiny config as both architectures (deep 2 layers, wide 1 layer
-twice as wide), 2 seeds, 6 steps, checkpoints every 3, greedy decoding of a few test
-sentences, in this process; seconds per run.
+twice as wide), 2 seeds, 6 steps, checkpoints every 2 (all kept, as in the real runs), greedy
+decoding of a few test sentences, in this process; seconds per run.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "wide": {"config": "tiny", "num_layers": 1, "ffn_dim": 128, "num_heads": 4},
 }
 QUICK_COMMON: dict[str, Any] = {
-    "max_steps": 6, "max_train_tokens": 0, "ckpt_every": 3, "eval_every": 0, "num_stages": 1,
+    "max_steps": 6, "max_train_tokens": 0, "ckpt_every": 2, "keep_checkpoints": 0,
+    "eval_every": 0, "num_stages": 1,
     "chunks": 1, "beam_size": 1, "max_decode_len": 8, "eval_max_sentences": 2,
     "hold_memory": False, "log_every": 3,
 }

@@ -14,7 +14,7 @@ from apps.config import ConfigError, load_config
 from apps.harness import checkpoints
 
 
-def write_run_checkpoint(out_dir: Path, step: int) -> Path:
+def write_run_checkpoint(out_dir: Path, step: int, keep: int = checkpoints.KEEP_CHECKPOINTS) -> Path:
     """A checkpoint folder as the apps write it (shard, train state, config), published."""
     path = checkpoints.checkpoint_dir(out_dir, step)
     torch.manual_seed(step)
@@ -23,7 +23,7 @@ def write_run_checkpoint(out_dir: Path, step: int) -> Path:
         path / "train-state-rank000.pt", {"step": step, "moments": torch.randn(8)})
     entries["config.yaml"] = gp.write_atomic(path / "config.yaml", "lr: 0.1\n")
     gp.storage.write_index(path, 1, entries)
-    checkpoints.publish_checkpoint(out_dir, path)
+    checkpoints.publish_checkpoint(out_dir, path, keep=keep)
     return path
 
 
@@ -103,6 +103,21 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(
         checkpoints.resume_checkpoint(tmp_path, train_command="t", verbose=False)
     write_run_checkpoint(tmp_path, 3)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-0000002", "step-0000003"]
+
+
+def test_publish_keeps_the_newest_steps_or_all_of_them(tmp_path: Path) -> None:
+    names = lambda d: sorted(p.name[-2:] for p in d.glob("step-*"))  # noqa: E731
+    for step in (1, 2, 3, 4):
+        write_run_checkpoint(tmp_path / "default", step)
+        write_run_checkpoint(tmp_path / "three", step, keep=3)
+        write_run_checkpoint(tmp_path / "all", step, keep=0)
+    assert names(tmp_path / "default") == ["03", "04"]
+    assert names(tmp_path / "three") == ["02", "03", "04"]
+    assert names(tmp_path / "all") == ["01", "02", "03", "04"]
+    # keep=0 keeps every step up to `latest`, never one past it (an abandoned timeline)
+    (tmp_path / "all" / "step-0000009").mkdir()
+    write_run_checkpoint(tmp_path / "all", 5, keep=0)
+    assert names(tmp_path / "all") == ["01", "02", "03", "04", "05"]
 
 
 def test_no_checkpoint_says_how_to_train_one(tmp_path: Path) -> None:

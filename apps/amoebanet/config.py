@@ -99,6 +99,7 @@ class AmoebaNetConfig:
     log_every: int = 20  # steps between log lines / wandb points
     eval_every_epochs: int = 1  # evaluate on eval_split every this many epochs
     ckpt_every: int = 0  # steps between checkpoints besides those at epoch ends (0 = epoch ends only)
+    keep_checkpoints: int = 2  # step folders kept in out_dir, the newest; 0 = all of them
     wandb_mode: str = "offline"  # "offline" | "online" (needs WANDB_API_KEY) | "disabled"
     wandb_project: str = "gpipe-amoebanet"  # wandb project name
 
@@ -131,7 +132,7 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
     for key in positive:
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be positive")
-    for key in ("num_workers", "eval_every_epochs", "ckpt_every", "max_minutes",
+    for key in ("num_workers", "eval_every_epochs", "ckpt_every", "keep_checkpoints", "max_minutes",
                 "max_loss_factor", "color_jitter", "mixup", "cutmix", "weight_decay",
                 "warmup_epochs", "warmup_lr", "min_lr", "train_steps", "budget_minutes",
                 "goal_steps", "max_steps"):

@@ -95,7 +95,7 @@ PROFILE_MAX_PARAMETERS = 50_000_000
 RESUMABLE_CHANGES = frozenset({
     "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
     "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
-    "ckpt_every", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
+    "ckpt_every", "keep_checkpoints", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
     "budget_minutes", "train_steps",  # the length the checkpoint records is the one resumed
     "goal_steps", "resume", "max_steps",  # run options
 })

@@ -25,7 +25,7 @@ import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
 from gpipe_core.storage import torch_load
 
-KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones)
+KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones); the apps' keep_checkpoints
 LATEST = "latest"
 
 
@@ -44,7 +44,8 @@ def checkpoint_dir(out_dir: Path, step: int) -> Path:
 
 
 def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINTS) -> None:
-    """Point ``latest`` at ``path`` (atomically) and delete all but the ``keep`` newest steps.
+    """Point ``latest`` at ``path`` (atomically) and delete all but the ``keep`` newest steps
+    (``keep=0``: every step up to ``path`` stays, e.g. for a curve scored after the run).
 
     Call on one rank, after a barrier that follows every rank's writes.
     """
@@ -53,7 +54,7 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
     # folders past ``path`` are left from a timeline this run abandoned (a crash mid-checkpoint,
     # or a damaged checkpoint it resumed before): never the fallback of a later resume
     newer = [p for p in steps if p.name > path.name]
-    older = sorted(p for p in steps if p.name < path.name)
+    older = sorted(p for p in steps if p.name < path.name) if keep > 0 else []
     for old in newer + older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -103,9 +104,11 @@ def write_checkpoint(
     *,
     rank: int,
     files: dict[str, str],
+    keep: int = KEEP_CHECKPOINTS,
 ) -> Path:
     """Checkpoint after ``step``: the pipeline's shards and every rank's ``state`` (collective),
-    then on rank 0 the config and ``files`` (name -> text); ``latest`` moves once all are on disk.
+    then on rank 0 the config and ``files`` (name -> text); ``latest`` moves once all are on disk
+    and all but the ``keep`` newest step folders go (0: none go).
     """
     path = checkpoint_dir(out_dir, step)
     own: dict[str, Any] = {train_state_path(path, rank).name: state}
@@ -116,7 +119,7 @@ def write_checkpoint(
     try:
         pipe.save_checkpoint(path, files=own)  # atomic files, then index.json; all ranks wait
         if rank == 0:
-            publish_checkpoint(out_dir, path)
+            publish_checkpoint(out_dir, path, keep=keep)
     except OSError as error:  # a full disk, a quota, a lost mount: say what is still there
         kept = (f"the previous checkpoint {out_dir / previous} is intact and {LATEST} still "
                 "names it" if previous else "there is no earlier checkpoint")

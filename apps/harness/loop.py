@@ -249,7 +249,8 @@ class TrainingLoop:
                  "world_size": self.run.world_size, "balance": self.balance, **own}
         config = replace(self.config, train_steps=state["train_steps"])
         path = write_checkpoint(self.out_dir, step, self.pipe, state, config,
-                                rank=self.run.rank, files=files)
+                                rank=self.run.rank, files=files,
+                                keep=config.keep_checkpoints)
         self.last_saved = step
         return path
 

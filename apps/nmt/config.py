@@ -129,6 +129,7 @@ class NMTConfig:
     log_every: int = 20  # steps between log lines / wandb points
     eval_every: int = 0  # steps between dev evaluations; 0 = only at the end
     ckpt_every: int = 500  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # step folders kept in out_dir, the newest; 0 = all of them
     wandb_project: str = "gpipe-nmt"  # wandb project name
     wandb_mode: str = "offline"  # "offline" unless you set a key and choose "online"
 
@@ -160,8 +161,8 @@ class NMTConfig:
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
         non_negative = (
-            "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every max_train_tokens "
-            "max_loss_factor length_penalty train_steps budget_minutes goal_steps"
+            "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every keep_checkpoints "
+            "max_train_tokens max_loss_factor length_penalty train_steps budget_minutes goal_steps"
         )
         for name in non_negative.split():
             value = getattr(self, name)

@@ -256,8 +256,9 @@ def test_depth_width_quick_sweep_scores_runs_at_matched_tokens(corpus: Path,
     for name, result in results.items():
         assert {"commit", "torch", "utc", "loadavg", "seed"} <= set(result)
         assert result["seed"] == int(name[-1]) and result["steps"] == 6
-        assert [c["step"] for c in result["dev_curve"]] == [3, 6]
-        assert result["best_step"] in (3, 6)
+        # every checkpoint scored, not only the newest two the trainer keeps by default
+        assert [c["step"] for c in result["dev_curve"]] == [2, 4, 6]
+        assert result["best_step"] in (2, 4, 6)
         assert set(result["test"]) == {"de", "fr", "ru", "pt_BR"}
         assert sum(result["pairs_seen"].values()) > 0 and all(
             e > 0 for e in result["epochs"].values())
