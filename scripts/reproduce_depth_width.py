@@ -227,7 +227,8 @@ def score_checkpoints(out_dir: Path, config: NMTConfig, *, test_per_lang: int | 
     tokenizer = load_tokenizer(config.data_dir)
     languages = train_languages(config)
     dev, _ = load_eval_sentences(config.data_dir, "dev", languages, max_per_lang=None,
-                                 pad_id=tokenizer.pad_id, strict=False)
+                                 pad_id=tokenizer.pad_id, strict=False,
+                                 max_src_len=config.max_positions)
     records = {r["step"]: r for r in map(json.loads, (out_dir / "log.jsonl").read_text()
                                          .splitlines())}
     curve = []
@@ -251,7 +252,8 @@ def score_checkpoints(out_dir: Path, config: NMTConfig, *, test_per_lang: int | 
     best = min(curve, key=lambda c: (c["macro_dev_loss"], c["step"]))
     model = load_model(config, out_dir / f"step-{best['step']:07d}", torch.device("cpu"))
     test, _ = load_eval_sentences(config.data_dir, "test", languages, max_per_lang=test_per_lang,
-                                  pad_id=tokenizer.pad_id, strict=False)
+                                  pad_id=tokenizer.pad_id, strict=False,
+                                  max_src_len=config.max_positions)
     hypotheses = translate(model, test, tokenizer, beam_size=beam_size,
                            alpha=config.length_penalty, max_decode_len=config.max_decode_len,
                            device=torch.device("cpu"))

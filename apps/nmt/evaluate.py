@@ -192,11 +192,15 @@ def load_eval_sentences(
     max_per_lang: int | None,
     pad_id: int,
     strict: bool = True,
+    max_src_len: int | None = None,
 ) -> tuple[list[Sentence], list[str]]:
     """The first ``max_per_lang`` pairs of each language of ``split``; returns (pairs, skipped).
 
     ``strict``: a language without ``split`` data is an error (naming the languages that have
-    data); otherwise it is skipped and returned in ``skipped``.
+    data); otherwise it is skipped and returned in ``skipped``. ``max_src_len`` (the model's
+    ``max_positions``): a longer source is cut to its first ``max_src_len`` tokens, which is all
+    the model can read, with one warning saying how many were (held-out pairs are not filtered
+    by length as training pairs are, and a catalog may hold a paragraph).
     """
     counts = language_counts(data_dir, split)
     skipped = [lang for lang in languages if counts.get(lang, 0) == 0]
@@ -225,6 +229,13 @@ def load_eval_sentences(
                     batch.references[row],
                 )
             )
+    long = [s for s in sentences if max_src_len is not None and len(s.src_ids) > max_src_len]
+    if long:
+        print(f"warning: {len(long)} of {len(sentences)} {split} sources have more than "
+              f"max_positions={max_src_len} tokens (the longest {max(len(s.src_ids) for s in long)}"
+              f"); they are cut to their first {max_src_len}", file=sys.stderr, flush=True)
+        for sentence in long:
+            del sentence.src_ids[max_src_len:]
     return sentences, skipped
 
 
@@ -455,6 +466,7 @@ def evaluate(
         max_per_lang=max_per_lang,
         pad_id=tokenizer.pad_id,
         strict=bool(languages),
+        max_src_len=config.max_positions,
     )
     if device is None:
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
