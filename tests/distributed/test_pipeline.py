@@ -179,7 +179,7 @@ def test_uneven_and_small_batches(tmp_path: Path) -> None:
         total = sum(loss_fn(model((a, b)), c) for a, b, c in pieces) / chunks
         total.backward()
         for loss, grads in (r[index] for r in per_rank):
-            assert loss == pytest.approx(float(total), abs=TOL)
+            assert loss == pytest.approx(total.item(), abs=TOL)
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad,
                                            rtol=0, atol=TOL)
