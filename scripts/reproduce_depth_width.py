@@ -163,7 +163,7 @@ def sentence_losses(model: torch.nn.Module, config: NMTConfig, sentences: Sequen
     for start in range(0, len(sentences), batch_size):
         chunk = sentences[start:start + batch_size]
         targets = [tokenizer.encode_target(s.reference)[: config.max_positions - 1] for s in chunk]
-        sources = [s.src_ids[: config.max_positions] for s in chunk]
+        sources = [s.src_ids for s in chunk]  # loaded with max_src_len=max_positions
         width_s = max(map(len, sources))
         width_t = max(map(len, targets)) + 1
         src = torch.full((len(chunk), width_s), pad)
