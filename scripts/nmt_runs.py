@@ -168,12 +168,28 @@ def provenance(seed: int) -> dict[str, Any]:
     }
 
 
+def to_json(value: Any, indent: int = 0) -> str:
+    """JSON with one key per line, but a list that holds no mapping on one line (a run's
+    per-sentence statistics and trajectories are long lists of numbers: one line each, not
+    one line per number)."""
+    if isinstance(value, Mapping) and value:
+        pad = " " * (indent + 1)
+        items = (f"{pad}{json.dumps(str(k), ensure_ascii=False)}: {to_json(v, indent + 1)}"
+                 for k, v in value.items())
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, Mapping) for v in value):
+        pad = " " * (indent + 1)
+        items = (pad + to_json(v, indent + 1) for v in value)
+        return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=True)
+
+
 def write_result(path: Path, result: Mapping[str, Any]) -> None:
-    """Write a run's result JSON atomically (a sweep killed mid-write leaves no half file, so
-    the resumed sweep reruns that run rather than skipping it)."""
+    """Write a run's result JSON (:func:`to_json`) atomically (a sweep killed mid-write leaves
+    no half file, so the resumed sweep reruns that run rather than skipping it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(result, indent=1, ensure_ascii=False, allow_nan=True) + "\n")
+    partial.write_text(to_json(result) + "\n")
     partial.replace(path)
 
 
