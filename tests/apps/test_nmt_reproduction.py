@@ -18,7 +18,6 @@ def tiny_settings(corpus: Path) -> list[str]:
             "beam_size=1", "max_decode_len=8", "log_every=2"]
 
 
-
 def test_result_json_keeps_lists_of_numbers_on_one_line(tmp_path: Path) -> None:
     result = {"name": "r", "dev_curve": [{"step": 3, "dev_loss": {"de": 2.5}}],
               "test": {"de": {"bleu_stats": [[1, 2, 3], [4, 5, 6]], "loss": [0.5, 1e-7]}},
@@ -28,6 +27,7 @@ def test_result_json_keeps_lists_of_numbers_on_one_line(tmp_path: Path) -> None:
     assert json.loads(text) == result and text.endswith("}\n")
     assert '"bleu_stats": [[1, 2, 3], [4, 5, 6]]' in text and '"loss": [0.5, 1e-07]' in text
     assert to_json([{"a": 1}]) == '[\n {\n  "a": 1\n }\n]'
+
 
 def test_loss_spikes_against_the_running_median() -> None:
     flat = [5.0] * 30
