@@ -74,8 +74,8 @@ from apps.nmt.pipelined_search import pipeline_search
 RESUMABLE_CHANGES = frozenset({
     "train_steps", "budget_minutes",  # the length the checkpoint records is the one resumed
     "goal_steps", "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
-    "ckpt_every", "keep_checkpoints", "wandb_project", "wandb_mode", "beam_size", "length_penalty", "max_decode_len",
-    "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
+    "ckpt_every", "keep_checkpoints", "wandb_project", "wandb_mode", "beam_size",
+    "length_penalty", "max_decode_len", "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
     "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
     "quiet_io", "schedule", "checkpoint", "packages", "unk_id", "bos_id", "eos_id",
     "label_smoothing", "lr", "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2",
