@@ -4,8 +4,8 @@ high-resource relative, several seeds each, scored by how much more depth helps 
 than the high one.
 
     python scripts/reproduce_depth_width.py [--phase all|train|report] [--jobs 2]
-        [--seeds 0 1 2] [--out docs/reproduction/depth_width] [--runs-dir runs/depth_width]
-        [--bootstrap 1000] [--quick]
+        [--seeds 0 1 2] [--corpus real|related] [--out docs/reproduction/depth_width]
+        [--runs-dir runs/depth_width] [--bootstrap 1000] [--quick]
 
 THE DESIGN, fixed before any run (changing it means a new experiment, not a re-reading):
 
@@ -56,6 +56,19 @@ whose JSON exists is skipped, so the sweep continues where it stopped. The repor
 phase, from whatever runs exist) writes ``<out>/_summary.json``, ``<out>/_dev_loss.png`` (mean
 dev loss per bucket against tokens) and ``<out>/_dev_loss_languages.png`` (every language's).
 
+THE CONTROLLED COMPLEMENT (``--corpus related``; designed after seeds 0 and 1 of the real mix
+gave a D that cannot tell the models apart and a high bucket below copy-the-source, before any
+run on it): the same models, budget, seeds, scoring and statistic on a corpus where transfer is
+guaranteed possible, ``data.related_languages`` (its README has the design): the same English
+sentences written in two synthetic families, each a parent of 30,000 training pairs (the high
+bucket) and three relatives of 300, 600 and 1,200 (the low bucket) that take 80% of their words
+from the parent under three regular sound changes. Copy-the-source scores about nothing there,
+so BLEU and chrF are interpretable once the models learn. Results go to
+``docs/reproduction/depth_width_related`` (runs: ``runs/depth_width_related``). The informative
+outcomes: D below zero in loss with an interval that excludes zero (depth helps the relatives
+more: the paper's direction), above zero (width does), or an interval around zero with both
+buckets well above copy (no difference at this scale, from a design that could show one).
+
 ``--quick`` (the test suite): the tiny config as both architectures (deep 2 layers, wide 1 layer
 twice as wide), 2 seeds, 6 steps, checkpoints every 2 (all kept, as in the real runs), greedy
 decoding of a few test sentences, in this process; seconds per run.
@@ -84,6 +97,8 @@ from apps.nmt.data import (
 )
 from apps.nmt.evaluate import Sentence, load_eval_sentences, load_model, translate
 from apps.nmt.model import count_parameters
+from data.related_languages.build import DESIGN, Design
+from data.related_languages.build import build as build_related
 from scripts.harness import pyplot, save_figure
 from scripts.nmt_runs import (
     drop_checkpoints,
@@ -97,6 +112,11 @@ from scripts.nmt_runs import (
 )
 
 ARCHS = {"deep": "cpu_dw_deep", "wide": "cpu_dw_wide"}
+CORPORA = ("real", "related")
+OUT = {"real": Path("docs/reproduction/depth_width"),
+       "related": Path("docs/reproduction/depth_width_related")}
+RUNS = {"real": Path("runs/depth_width"), "related": Path("runs/depth_width_related")}
+RELATED_DIR = Path(".cache/related_languages")
 SEEDS = (0, 1, 2)
 PARAMETER_TOLERANCE = 0.01  # deep and wide within 1% of each other
 METRICS = ("loss", "bleu", "chrf")
@@ -112,6 +132,9 @@ QUICK_COMMON: dict[str, Any] = {
 }
 QUICK_SEEDS = (0, 1)
 QUICK_TEST_SENTENCES = 6  # per language
+QUICK_DESIGN = Design(parent_pairs=200, relative_pairs=(20, 30, 40),
+                      held_out={"dev": 6, "test": 6})
+QUICK_VOCAB = 400
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +212,15 @@ def sentence_losses(model: torch.nn.Module, config: NMTConfig, sentences: Sequen
 def arch_settings(arch: str, seed: int, *, quick: bool, extra: Mapping[str, Any]) -> dict[str, Any]:
     base = {**QUICK[arch], **QUICK_COMMON} if quick else {"config": ARCHS[arch]}
     return {**base, **extra, "seed": seed, "wandb_mode": "disabled"}
+
+
+def related_settings(design: Design, *, quick: bool) -> dict[str, Any]:
+    """The settings that train on the related-languages corpus of ``design`` (built by the
+    script, so the trainer reads it as it is)."""
+    settings = {"data_dir": str(RELATED_DIR), "packages": "none",
+                "languages": ",".join(design.train_pairs()),
+                "bucket_thresholds": ",".join(map(str, design.bucket_thresholds()))}
+    return {**settings, "vocab_size": QUICK_VOCAB} if quick else settings
 
 
 def load_settings(settings: Mapping[str, Any]) -> NMTConfig:
@@ -479,8 +511,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--phase", default="all", choices=["all", "train", "report"])
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
-    parser.add_argument("--out", type=Path, default=Path("docs/reproduction/depth_width"))
-    parser.add_argument("--runs-dir", type=Path, default=Path("runs/depth_width"))
+    parser.add_argument("--corpus", default="real", choices=CORPORA,
+                        help="the real mix, or the controlled complement of related synthetic "
+                             "languages (data.related_languages)")
+    parser.add_argument("--english-from", type=Path, default=None,
+                        help="--corpus related: a prepared corpus whose English is written (by "
+                             "default the real mix's, prepared first if missing)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results (default {OUT['real']}, or {OUT['related']})")
+    parser.add_argument("--runs-dir", type=Path, default=None,
+                        help=f"checkpoints (default {RUNS['real']}, or {RUNS['related']})")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="apps.nmt.train settings for every run (recorded in each result)")
@@ -489,7 +529,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout-minutes", type=float, default=180.0, help="per run")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    extra = parse_settings(args.set)
+    args.out = args.out or OUT[args.corpus]
+    args.runs_dir = args.runs_dir or RUNS[args.corpus]
+    extra: dict[str, Any] = parse_settings(args.set)
+    design = QUICK_DESIGN if args.quick else DESIGN
+    if args.corpus == "related":
+        extra = {**related_settings(design, quick=args.quick), **extra}
     seeds = args.seeds if args.seeds is not None else list(QUICK_SEEDS if args.quick else SEEDS)
     specs = {f"{arch}_s{seed}": (arch, arch_settings(arch, seed, quick=args.quick, extra=extra))
              for seed in seeds for arch in ARCHS}
@@ -502,7 +547,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # the corpus once, here, before runs start in parallel (each would build it otherwise)
         from apps.nmt.train import prepare_corpus
 
+        if args.corpus == "related":
+            english_from = args.english_from
+            if english_from is None:
+                real = load_settings(arch_settings("deep", seeds[0], quick=False, extra={}))
+                prepare_corpus(real)
+                english_from = real.data_dir
+            build_related(configs["deep"].data_dir, english_from=english_from, design=design,
+                          vocab_size=configs["deep"].vocab_size,
+                          seed=configs["deep"].corpus_seed)
         prepare_corpus(configs["deep"])
+
         def work(name: str) -> None:
             arch, settings = specs[name]
             run_one(name, arch, settings, out=args.out, runs_dir=args.runs_dir,

@@ -286,3 +286,23 @@ def test_depth_width_quick_sweep_scores_runs_at_matched_tokens(corpus: Path,
     assert (out / "_dev_loss_languages.png").stat().st_size > 0
     again = reproduce_depth_width.main(args)
     assert again["ran_now"] == [] and again["D"]["loss"]["point"] == summary["D"]["loss"]["point"]
+
+
+@pytest.mark.slow
+def test_depth_width_complement_trains_on_the_related_languages(corpus: Path,
+                                                                tmp_path: Path) -> None:
+    out, related = tmp_path / "depth_width_related", tmp_path / "related"
+    args = ["--quick", "--corpus", "related", "--english-from", str(corpus), "--seeds", "0",
+            "--bootstrap", "20", "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
+            "--set", f"data_dir={related}"]
+    summary = reproduce_depth_width.main(args)
+    assert summary["ran_now"] == ["deep_s0", "wide_s0"]
+    design = reproduce_depth_width.QUICK_DESIGN
+    assert summary["train_pairs"] == design.train_pairs()
+    parents = {family.parent for family in design.families}
+    assert summary["buckets"] == {lang: "high" if lang in parents else "low"
+                                  for lang in design.train_pairs()}
+    result = json.loads((out / "deep_s0.json").read_text())
+    assert result["settings"]["data_dir"] == str(related)
+    assert set(result["test"]) == set(design.train_pairs())
+    assert summary["D"]["loss"]["seeds"] == [0]
