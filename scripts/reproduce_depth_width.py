@@ -53,8 +53,10 @@ copy-the-source; otherwise they are reported and marked ``below_copy``.
 Each run writes ``<out>/<arch>_s<seed>.json`` (commit, torch version, UTC time, load average,
 seed, parameters, tokens, dev curves, best step, epochs, per-sentence test statistics); a run
 whose JSON exists is skipped, so the sweep continues where it stopped. The report (after every
-phase, from whatever runs exist) writes ``<out>/_summary.json``, ``<out>/_dev_loss.png`` (mean
-dev loss per bucket against tokens) and ``<out>/_dev_loss_languages.png`` (every language's).
+phase, from whatever runs exist) writes ``<out>/_summary.json`` (D per metric; beside it, as a
+description of the curves, deep - wide per bucket and D in dev loss at every checkpoint, the two
+models at matched tokens), ``<out>/_dev_loss.png`` (mean dev loss per bucket against tokens) and
+``<out>/_dev_loss_languages.png`` (every language's).
 
 THE CONTROLLED COMPLEMENT (``--corpus related``; designed after seeds 0 and 1 of the real mix
 gave a D that cannot tell the models apart and a high bucket below copy-the-source, before any
@@ -354,13 +356,36 @@ def run_one(name: str, arch: str, settings: Mapping[str, Any], *, out: Path, run
 # The statistic D with a paired bootstrap over seeds and sentences
 
 
+def bucket_gap(values: Mapping[str, Mapping[str, float]], buckets: Mapping[str, str],
+               bucket: str) -> float:
+    """(deep - wide) of ``bucket``: the mean over its languages of ``values[arch][lang]``."""
+    langs = [lang for lang, b in buckets.items() if b == bucket]
+    return float(np.mean([values["deep"][x] - values["wide"][x] for x in langs]))
+
+
 def bucket_d(values: Mapping[str, Mapping[str, float]], buckets: Mapping[str, str]) -> float:
     """D = (deep - wide)_low - (deep - wide)_high from per-language values
     ``values[arch][lang]``; a bucket's value is the mean over its languages."""
-    def gap(bucket: str) -> float:
-        langs = [lang for lang, b in buckets.items() if b == bucket]
-        return float(np.mean([values["deep"][x] - values["wide"][x] for x in langs]))
-    return gap("low") - gap("high")
+    return bucket_gap(values, buckets, "low") - bucket_gap(values, buckets, "high")
+
+
+def matched_token_gaps(results: Sequence[Mapping[str, Any]],
+                       buckets: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Deep - wide in dev loss per bucket, and D, at every checkpoint of every seed that both
+    architectures have: the two models at the same step, hence the same tokens (a description
+    of the curves beside the design's statistic, which compares best checkpoints)."""
+    runs = {(r["arch"], r["seed"]): r for r in results}
+    rows = []
+    for seed in sorted({seed for arch, seed in runs if arch == "deep" and ("wide", seed) in runs}):
+        wide = {c["step"]: c for c in runs["wide", seed]["dev_curve"]}
+        for deep in runs["deep", seed]["dev_curve"]:
+            if deep["step"] not in wide:
+                continue
+            values = {"deep": deep["dev_loss"], "wide": wide[deep["step"]]["dev_loss"]}
+            gaps = {b: round(bucket_gap(values, buckets, b), 4) for b in ("high", "low")}
+            rows.append({"seed": seed, "step": deep["step"], "tokens": deep["tokens"],
+                         "deep_minus_wide": gaps, "D": round(gaps["low"] - gaps["high"], 4)})
+    return rows
 
 
 def language_score(metric: str, test: Mapping[str, Any], rows: np.ndarray | None = None,
@@ -446,6 +471,7 @@ def summarise(results: Sequence[Mapping[str, Any]], n_boot: int) -> dict[str, An
         "best_step": {f"{r['arch']}_s{r['seed']}": r["best_step"] for r in results},
         "above_copy": above_copy(results, buckets),
         "D": {metric: d_statistic(runs, buckets, metric, n_boot=n_boot) for metric in METRICS},
+        "dev_loss_matched_tokens": matched_token_gaps(results, buckets),
     }
     if not summary["above_copy"]:
         for metric in ("bleu", "chrf"):

@@ -282,6 +282,20 @@ def test_depth_width_quick_sweep_scores_runs_at_matched_tokens(corpus: Path,
     for metric in ("loss", "bleu", "chrf"):
         d = summary["D"][metric]
         assert d["seeds"] == [0, 1] and d["ci95"][0] <= d["point"] <= d["ci95"][1]
+    # the curves compared at matched tokens: every checkpoint of every seed, D = low - high
+    matched = summary["dev_loss_matched_tokens"]
+    assert [(row["seed"], row["step"]) for row in matched] == [
+        (seed, step) for seed in (0, 1) for step in (2, 4, 6)]
+    for row in matched:
+        run = {arch: next(c for c in results[f"{arch}_s{row['seed']}"]["dev_curve"]
+                          if c["step"] == row["step"]) for arch in ("deep", "wide")}
+        assert row["tokens"] == run["deep"]["tokens"] == run["wide"]["tokens"]
+        values = {arch: c["dev_loss"] for arch, c in run.items()}
+        assert row["D"] == pytest.approx(reproduce_depth_width.bucket_d(values,
+                                                                        summary["buckets"]),
+                                         abs=2e-4)
+        assert row["D"] == pytest.approx(row["deep_minus_wide"]["low"]
+                                         - row["deep_minus_wide"]["high"], abs=1e-4)
     assert (out / "_summary.json").exists() and (out / "_dev_loss.png").stat().st_size > 0
     assert (out / "_dev_loss_languages.png").stat().st_size > 0
     again = reproduce_depth_width.main(args)
