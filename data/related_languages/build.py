@@ -34,6 +34,7 @@ from typing import Any
 
 from data.gettext_m2en.corpus_format import SPLITS, read_manifest
 from data.gettext_m2en.errors import PrepareError
+from data.gettext_m2en.read import read_tsv
 from data.gettext_m2en.splits import split_key, split_of
 from data.related_languages.family import (
     Language,
@@ -111,12 +112,10 @@ def read_english(corpus: Path) -> dict[str, list[str]]:
             f"(python -m data.gettext_m2en.prepare --out {corpus} ...), or pass --english-from")
     by_key: dict[str, str] = {}
     for split in SPLITS:
-        with open(corpus / "pairs" / f"{split}.tsv", encoding="utf-8") as handle:
-            for line in handle:
-                english = line.rstrip("\n").split("\t")[2]
-                key = split_key(english)
-                if key and (key not in by_key or english < by_key[key]):
-                    by_key[key] = english
+        for _, _, english in read_tsv(corpus / "pairs" / f"{split}.tsv"):
+            key = split_key(english)
+            if key and (key not in by_key or english < by_key[key]):
+                by_key[key] = english
     pools: dict[str, list[str]] = {split: [] for split in SPLITS}
     for english in sorted(by_key.values()):
         pools[split_of(english, dev_fraction=DEV_FRACTION,
