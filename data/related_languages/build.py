@@ -34,6 +34,7 @@ from typing import Any
 
 from data.gettext_m2en.corpus_format import SPLITS, read_manifest
 from data.gettext_m2en.errors import PrepareError
+from data.gettext_m2en.lock import corpus_lock
 from data.gettext_m2en.read import read_tsv
 from data.gettext_m2en.splits import split_key, split_of
 from data.related_languages.family import (
@@ -159,34 +160,37 @@ def build(out: str | Path = DEFAULT_OUT, *, english_from: str | Path = DEFAULT_E
     record = {"design": asdict(design), "english_from": str(english_from.resolve()),
               "english_sentences": {s: len(p) for s, p in pools.items()}, "seed": seed}
     design_path = out / DESIGN_FILE
-    if read_manifest(out) is not None and not force:
-        built = json.loads(design_path.read_text()) if design_path.exists() else {}
-        built.pop("languages", None)
-        if built != json.loads(json.dumps(record)):
-            raise PrepareError(
-                f"{out} holds a corpus built from another design or English ({design_path}); "
-                f"pass force=True (--force) to rebuild it, or another out directory")
-    else:
-        sentences = draw_sentences(pools, design, seed)
-        written = languages(design, english_words(s for splits in sentences.values()
-                                                  for rows in splits.values() for s in rows))
-        (out / "source").mkdir(parents=True, exist_ok=True)
-        tsv = out / TSV_FILE
-        with open(tsv.with_suffix(".tmp"), "w", encoding="utf-8") as handle:
-            for lang, splits in sentences.items():
-                for rows in splits.values():
-                    for english in rows:
-                        handle.write(f"{lang}\t{written[lang].write(english)}\t{english}\n")
-        tsv.with_suffix(".tmp").replace(tsv)
-        languages_record = {name: {"parent": lang.parent, "reverse": lang.reverse,
-                                   "sound_changes": dict(lang.changes),
-                                   "own_words": len(lang.own_words), "words": len(lang.lexicon)}
-                            for name, lang in written.items()}
-        design_path.write_text(json.dumps({**record, "languages": languages_record}, indent=1))
-        force = True  # the TSV changed: prepare must read it again
-    manifest = prepare(out, packages=None, tsv_files=[out / TSV_FILE], vocab_size=vocab_size,
-                       dev_fraction=DEV_FRACTION, test_fraction=TEST_FRACTION, seed=seed,
-                       num_threads=num_threads, force=force, verbose=verbose)
+    # One builder at a time: the check, the TSV and prepare under one lock (``out/source.lock``;
+    # prepare takes ``out.lock`` itself), so a second build waits, then finds the corpus built.
+    with corpus_lock(out / "source"):
+        if read_manifest(out) is not None and not force:
+            built = json.loads(design_path.read_text()) if design_path.exists() else {}
+            built.pop("languages", None)
+            if built != json.loads(json.dumps(record)):
+                raise PrepareError(
+                    f"{out} holds a corpus built from another design or English ({design_path}); "
+                    f"pass force=True (--force) to rebuild it, or another out directory")
+        else:
+            sentences = draw_sentences(pools, design, seed)
+            written = languages(design, english_words(s for splits in sentences.values()
+                                                      for rows in splits.values() for s in rows))
+            (out / "source").mkdir(parents=True, exist_ok=True)
+            tsv = out / TSV_FILE
+            with open(tsv.with_suffix(".tmp"), "w", encoding="utf-8") as handle:
+                for lang, splits in sentences.items():
+                    for rows in splits.values():
+                        for english in rows:
+                            handle.write(f"{lang}\t{written[lang].write(english)}\t{english}\n")
+            tsv.with_suffix(".tmp").replace(tsv)
+            languages_record = {name: {"parent": lang.parent, "reverse": lang.reverse,
+                                       "sound_changes": dict(lang.changes),
+                                       "own_words": len(lang.own_words), "words": len(lang.lexicon)}
+                                for name, lang in written.items()}
+            design_path.write_text(json.dumps({**record, "languages": languages_record}, indent=1))
+            force = True  # the TSV changed: prepare must read it again
+        manifest = prepare(out, packages=None, tsv_files=[out / TSV_FILE], vocab_size=vocab_size,
+                           dev_fraction=DEV_FRACTION, test_fraction=TEST_FRACTION, seed=seed,
+                           num_threads=num_threads, force=force, verbose=verbose)
     return manifest
 
 

@@ -4,12 +4,14 @@ prepared like the gettext corpus, and the depth-against-width complement that tr
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from data.gettext_m2en.corpus_format import read_manifest
 from data.gettext_m2en.errors import PrepareError
+from data.gettext_m2en.lock import corpus_lock
 from data.related_languages.build import Design, FamilyDesign, build, languages, read_english
 from data.related_languages.family import (
     Phonology,
@@ -111,6 +113,26 @@ def test_the_built_corpus_has_the_designed_sizes_and_shared_held_out_english(
                    held_out={"dev": 5, "test": 5})
     with pytest.raises(PrepareError, match="another design or English.*--force"):
         build(out, english_from=corpus, design=other, vocab_size=400, verbose=False)
+
+
+def test_a_build_waits_while_another_holds_the_directory_then_builds(corpus: Path,
+                                                                   tmp_path: Path) -> None:
+    # Two builds into one directory (two runs of a sweep started together): the second must not
+    # write the TSV the first is preparing from; it waits for the lock, then builds (or reuses).
+    out = tmp_path / "related"
+    result: dict[str, object] = {}
+
+    def second() -> None:
+        result["manifest"] = build(out, english_from=corpus, design=SMALL, vocab_size=400,
+                                   num_threads=1, verbose=False)
+
+    with corpus_lock(out / "source"):  # the first builder, mid-way
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        waiting.join(timeout=2.0)
+        assert waiting.is_alive() and not (out / "source" / "design.json").exists()
+    waiting.join(timeout=120.0)
+    assert not waiting.is_alive() and result["manifest"] == read_manifest(out)
 
 
 def test_a_design_larger_than_the_english_is_refused_with_the_numbers(corpus: Path,
