@@ -12,6 +12,7 @@ from torch import nn
 
 from apps.amoebanet.model import build_amoebanet, check_image_size
 from apps.config import ConfigError, load_config, parse_overrides
+from apps.harness.checkpoints import KEEP_CHECKPOINTS
 from apps.harness.pipeline import check_pipeline_options
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -99,7 +100,7 @@ class AmoebaNetConfig:
     log_every: int = 20  # steps between log lines / wandb points
     eval_every_epochs: int = 1  # evaluate on eval_split every this many epochs
     ckpt_every: int = 0  # steps between checkpoints besides those at epoch ends (0 = epoch ends only)
-    keep_checkpoints: int = 2  # step folders kept in out_dir, the newest; 0 = all of them
+    keep_checkpoints: int = KEEP_CHECKPOINTS  # step folders kept in out_dir, the newest; 0 = all
     wandb_mode: str = "offline"  # "offline" | "online" (needs WANDB_API_KEY) | "disabled"
     wandb_project: str = "gpipe-amoebanet"  # wandb project name
 

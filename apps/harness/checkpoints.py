@@ -25,7 +25,7 @@ import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
 from gpipe_core.storage import torch_load
 
-KEEP_CHECKPOINTS = 2  # step folders kept in out_dir (the newest ones); the apps' keep_checkpoints
+KEEP_CHECKPOINTS = 2  # step folders kept in out_dir, the newest: the apps' keep_checkpoints default
 LATEST = "latest"
 
 

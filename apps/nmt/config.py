@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from apps.config import ConfigError, load_config, parse_overrides
+from apps.harness.checkpoints import KEEP_CHECKPOINTS
 from apps.harness.pipeline import check_pipeline_options
 from apps.nmt.model import NORMS, transformer
 
@@ -129,7 +130,7 @@ class NMTConfig:
     log_every: int = 20  # steps between log lines / wandb points
     eval_every: int = 0  # steps between dev evaluations; 0 = only at the end
     ckpt_every: int = 500  # steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = 2  # step folders kept in out_dir, the newest; 0 = all of them
+    keep_checkpoints: int = KEEP_CHECKPOINTS  # step folders kept in out_dir, the newest; 0 = all
     wandb_project: str = "gpipe-nmt"  # wandb project name
     wandb_mode: str = "offline"  # "offline" unless you set a key and choose "online"
 
