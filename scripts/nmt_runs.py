@@ -44,6 +44,16 @@ class Run:
     def series(self, key: str) -> list[float]:
         return [float(r.get(key, math.nan)) for r in self.records]
 
+    @property
+    def seconds_per_step(self) -> float | None:
+        """Training seconds per step: the trainer's own clock (``summary.json``'s
+        ``train_minutes``, carried across resumes, without start-up and evaluation) where it
+        wrote one; else this part's wall time over the steps logged, which understates a
+        resumed run (its earlier part is not in ``wall_minutes``)."""
+        if self.summary and self.summary.get("train_minutes") and self.summary.get("steps"):
+            return 60 * self.summary["train_minutes"] / self.summary["steps"]
+        return 60 * self.wall_minutes / len(self.records) if self.records else None
+
 
 def train(
     name: str,

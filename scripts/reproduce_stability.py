@@ -274,8 +274,8 @@ def run_one(name: str, settings: Mapping[str, Any], *, arm: str, out: Path, runs
         "returncode": run.returncode,
         "wall_minutes": round(run.wall_minutes, 3),
         "resumed": run.resumed,  # continued from a checkpoint: the wall time is the last part's
-        "seconds_per_step": (round(60 * run.wall_minutes / len(run.records), 4)
-                             if run.records else None),
+        "seconds_per_step": (round(run.seconds_per_step, 4)
+                             if run.seconds_per_step is not None else None),
         **described,
         "trajectory": {key: thin(run.records, key, TRAJECTORY_EVERY) for key in TRAJECTORY_KEYS},
         "attention_logit_per_layer": layers,

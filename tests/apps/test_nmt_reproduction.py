@@ -10,7 +10,7 @@ import pytest
 
 from apps.nmt.config import replace
 from scripts import reproduce_depth_width, reproduce_stability
-from scripts.nmt_runs import divergence_step, loss_spikes, to_json, train, write_result
+from scripts.nmt_runs import Run, divergence_step, loss_spikes, to_json, train, write_result
 
 
 def tiny_settings(corpus: Path) -> list[str]:
@@ -27,6 +27,18 @@ def test_result_json_keeps_lists_of_numbers_on_one_line(tmp_path: Path) -> None:
     assert json.loads(text) == result and text.endswith("}\n")
     assert '"bleu_stats": [[1, 2, 3], [4, 5, 6]]' in text and '"loss": [0.5, 1e-07]' in text
     assert to_json([{"a": 1}]) == '[\n {\n  "a": 1\n }\n]'
+
+
+def test_seconds_per_step_counts_a_resumed_run_whole(tmp_path: Path) -> None:
+    # A run resumed at step 600 of 1,000: this part's wall time (4 minutes) covers 400 steps,
+    # the trainer's clock (train_minutes, carried across the resume) all 1,000.
+    records = [{"step": i} for i in range(1, 1001)]
+    resumed = Run("r", tmp_path, {}, 0, 4.0, records, {"train_minutes": 15.0, "steps": 1000},
+                  resumed=True)
+    assert resumed.seconds_per_step == pytest.approx(0.9)
+    # without the trainer's summary (a run that stopped early): the wall time over the steps
+    assert Run("r", tmp_path, {}, 1, 4.0, records[:400]).seconds_per_step == pytest.approx(0.6)
+    assert Run("r", tmp_path, {}, 1, 0.1).seconds_per_step is None
 
 
 def test_loss_spikes_against_the_running_median() -> None:
