@@ -339,7 +339,8 @@ def run_one(name: str, arch: str, settings: Mapping[str, Any], *, out: Path, run
         "resumed": run.resumed,  # continued from a checkpoint after the sweep was stopped
         "train_minutes": run.summary["train_minutes"],
         "tokens_per_second": run.summary["tokens_per_second"],
-        "seconds_per_step": round(run.seconds_per_step, 4),
+        "seconds_per_step": (round(run.seconds_per_step, 4)
+                             if run.seconds_per_step is not None else None),
         "pairs_seen": seen,
         "epochs": {lang: seen.get(lang, 0) / train_counts[lang] for lang in seen
                    if train_counts.get(lang)},
