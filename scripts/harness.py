@@ -153,14 +153,58 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
+# The CPU features that decide what a measurement on this host means: the vector width, and
+# whether bf16 matrix products run in hardware (AVX512-BF16, AMX) or are emulated.
+CPU_FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                         "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+
+
+def cpu_identity(cpuinfo: str | None = None) -> dict[str, Any]:
+    """``cpu_model`` (the kernel's "model name"), the flags of ``CPU_FLAGS_OF_INTEREST`` this
+    CPU has, and the cores this process may use: what tells two machines apart in a result.
+    Two results whose ``cpu_model`` or ``cpu_flags`` differ were measured on different
+    machines and must not be compared unseen (see :func:`same_machine`)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model = flags = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = value
+    present = set(flags.split())
+    return {
+        "cpu_model": model or platform.processor() or platform.machine(),
+        "cpu_flags": [f for f in CPU_FLAGS_OF_INTEREST if f in present],
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+    }
+
+
+def same_machine(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Whether two provenance records (or results holding one under ``"provenance"``) name
+    the same CPU model, flags and core count. A record without ``cpu_model`` counts as a
+    different machine: it cannot show that it is the same one."""
+    a, b = first.get("provenance", first), second.get("provenance", second)
+    keys = ("cpu_model", "cpu_flags", "cpu_cores")
+    return all(k in a and k in b for k in keys) and all(a[k] == b[k] for k in keys)
+
+
 def provenance(load_before: tuple[float, float, float] | None = None) -> dict[str, Any]:
     """The commit (and whether the tree had uncommitted changes), torch's version, the UTC
-    time, the machine, and the load average (1, 5, 15 min) before the measurement and now."""
+    time, the machine (:func:`cpu_identity`: CPU model, flags, cores), and the load average
+    (1, 5, 15 min) before the measurement and now."""
     return {
         "commit": _git("rev-parse", "HEAD"),
         "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "torch": torch.__version__,
         "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **cpu_identity(),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version()},
         "load_average_before": list(load_before) if load_before is not None else None,

@@ -161,7 +161,8 @@ def divergence_step(losses: Sequence[float], *, after: int) -> int | None:
 def provenance(seed: int) -> dict[str, Any]:
     """What every result JSON records (``scripts.harness.provenance`` in the sweeps' own
     format): commit (``+dirty`` with uncommitted changes), torch version, UTC time, the
-    machine's 1/5/15-minute load averages and core count, and the seed."""
+    machine's 1/5/15-minute load averages and core count, the CPU model and flags, and the
+    seed."""
     import datetime
 
     from scripts.harness import provenance as recorded
@@ -174,6 +175,9 @@ def provenance(seed: int) -> dict[str, Any]:
         "utc": utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "loadavg": [round(x, 2) for x in record["load_average_after"]],
         "cpu_count": record["machine"]["cpus"],
+        "cpu_model": record["cpu_model"],
+        "cpu_flags": record["cpu_flags"],
+        "cpu_cores": record["cpu_cores"],
         "seed": seed,
     }
 
