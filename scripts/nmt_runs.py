@@ -155,6 +155,85 @@ def divergence_step(losses: Sequence[float], *, after: int) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Statistics over seeds, and which runs may be compared at all (issue 39)
+
+# Two-sided 95% quantiles of Student's t, t_{0.975, df}, for df = 1..30 (the standard table;
+# scipy is not a dependency). Beyond 30 the Cornish-Fisher expansion below is used.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+Z_975 = 1.959964
+
+
+def t_quantile_975(df: int) -> float:
+    """t_{0.975, df}: the table for df <= 30, else the Cornish-Fisher expansion of the normal
+    quantile (error below 1e-3 there)."""
+    if df < 1:
+        raise ValueError(f"df={df}: a t interval needs at least two values")
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = Z_975
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2))
+
+
+def t_interval(values: Sequence[float]) -> dict[str, Any]:
+    """Mean and 95% t interval of ``values`` (seeds, or per-seed paired differences):
+    mean +- t_{0.975, n-1} * sd / sqrt(n). With 3 seeds the bootstrap percentile interval
+    cannot reach beyond the observed values; the t interval does, as the sampling of 3 values
+    demands (t_{0.975, 2} = 4.303). One value has no interval (``ci95`` None)."""
+    values = [float(v) for v in values]
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "sd": None, "ci95": None, "method": "t"}
+    mean = sum(values) / n
+    if n == 1:
+        return {"n": 1, "mean": mean, "sd": None, "ci95": None, "method": "t",
+                "note": "one value: no interval"}
+    sd = statistics.stdev(values)
+    half = t_quantile_975(n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "ci95": [mean - half, mean + half],
+            "t_975": t_quantile_975(n - 1), "method": "t"}
+
+
+MACHINES_JSON = REPO / "docs" / "reproduction" / "machines.json"
+MACHINE_KEYS = ("cpu_model", "cpu_flags", "cpu_cores")
+
+
+def machine_records(path: Path = MACHINES_JSON) -> dict[str, Any]:
+    """``machines.json``: for result files written before provenance recorded the CPU, the
+    machine each ran on as far as the evidence (commit messages) shows, keyed
+    ``<folder>/<name>``."""
+    path = Path(path)
+    return json.loads(path.read_text())["runs"] if path.exists() else {}
+
+
+def machine_of(result: Mapping[str, Any], key: str | None = None,
+               records: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The machine of a result: its own ``cpu_model``/``cpu_flags``/``cpu_cores`` where it
+    recorded them (in itself or under ``"provenance"``), else ``records[key]`` (the machine
+    ``machines.json`` assigns to an older result), else an empty record, which
+    ``scripts.harness.same_machine`` pairs with nothing."""
+    own = result.get("provenance", result)
+    if all(k in own for k in MACHINE_KEYS):
+        return {k: own[k] for k in MACHINE_KEYS}
+    entry = (records or {}).get(key or "") if key else None
+    if entry:
+        return {k: entry[k] for k in MACHINE_KEYS}
+    return {}
+
+
+def comparable(first: Mapping[str, Any], second: Mapping[str, Any], *,
+               keys: tuple[str | None, str | None] = (None, None),
+               records: Mapping[str, Any] | None = None) -> bool:
+    """Whether two results may be compared: they ran on the same machine by
+    ``scripts.harness.same_machine`` (runs with identical settings drift apart across a
+    machine change, so a difference across machines is not the setting's)."""
+    from scripts.harness import same_machine
+
+    return same_machine(machine_of(first, keys[0], records), machine_of(second, keys[1], records))
+
+
+# ---------------------------------------------------------------------------------------------
 # One result JSON per run, so that a sweep resumes where it stopped (issue 21)
 
 

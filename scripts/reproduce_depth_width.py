@@ -44,10 +44,12 @@ Scoring (after each run, on its checkpoints):
 
 The statistic: D = (deep - wide)_low - (deep - wide)_high, a bucket's value the mean over its
 languages of the per-language corpus score, averaged over seeds. In test loss (negative D:
-depth helps the low bucket more) and in BLEU and chrF (positive D: the same). 95% intervals by
-a paired bootstrap: each of ``--bootstrap`` replicates resamples the seeds (the same seeds for
-both architectures) and, within each language, the test sentences (the same sentences for every
-model). BLEU and chrF D are interpreted only if every run's high-bucket test BLEU is above
+depth helps the low bucket more) and in BLEU and chrF (positive D: the same). 95% interval:
+a t interval over the seeds' own D values (issue 39: with 3 seeds a bootstrap over seeds cannot
+reach beyond the seeds observed); beside it, the paired bootstrap of the first design (each of
+``--bootstrap`` replicates resamples the seeds, the same for both architectures, and, within
+each language, the test sentences, the same for every model). A seed whose deep and wide runs
+ran on different machines is left out (``scripts.nmt_runs.comparable``). BLEU and chrF D are interpreted only if every run's high-bucket test BLEU is above
 copy-the-source; otherwise they are reported and marked ``below_copy``.
 
 Each run writes ``<out>/<arch>_s<seed>.json`` (commit, torch version, UTC time, load average,
@@ -92,6 +94,7 @@ import torch
 
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import (
+    CorpusError,
     TrainBatches,
     language_counts,
     load_tokenizer,
@@ -103,11 +106,15 @@ from data.related_languages.build import DESIGN, Design
 from data.related_languages.build import build as build_related
 from scripts.harness import pyplot, save_figure
 from scripts.nmt_runs import (
+    REPO,
+    comparable,
     drop_checkpoints,
+    machine_records,
     parse_settings,
     provenance,
     read_results,
     run_pending,
+    t_interval,
     train,
     train_in_process,
     write_result,
@@ -403,11 +410,16 @@ def language_score(metric: str, test: Mapping[str, Any], rows: np.ndarray | None
 
 def d_statistic(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], buckets: Mapping[str, str],
                 metric: str, *, n_boot: int, seed: int = 12345) -> dict[str, Any]:
-    """Point estimate and 95% paired-bootstrap interval of D for ``metric``.
+    """Point estimate of D for ``metric`` and its 95% intervals.
 
     ``runs[arch][seed]`` is a run's ``test`` dict (per language); only seeds that both
-    architectures have are used. Each replicate draws seeds with replacement (shared by the
-    architectures) and, per language, sentences with replacement (shared by every run)."""
+    architectures have are used (the caller leaves out a seed whose two runs ran on different
+    machines). ``ci95`` is the t interval over the seeds' own D values (``per_seed``): with 3
+    seeds a bootstrap that resamples seeds cannot reach beyond the seeds observed, and its
+    interval is 2-3x too narrow. ``ci95_bootstrap`` keeps the paired bootstrap beside it (each
+    replicate draws seeds with replacement, shared by the architectures, and per language
+    sentences with replacement, shared by every run); with one seed it is the only interval
+    (sentences only) and ``ci95`` is None."""
     seeds = sorted(set(runs["deep"]) & set(runs["wide"]))
     langs = [lang for lang in buckets if all(lang in runs[a][s] for a in runs for s in seeds)]
     buckets = {lang: buckets[lang] for lang in langs}
@@ -422,6 +434,7 @@ def d_statistic(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], buckets: Ma
         return bucket_d(values, buckets)
 
     point = values_for(seeds, None)
+    per_seed = {s: values_for([s], None) for s in seeds}
     rng = np.random.default_rng(seed)
     sizes = {lang: len(runs["deep"][seeds[0]][lang]["loss"]) for lang in langs}
     samples = []
@@ -430,8 +443,29 @@ def d_statistic(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], buckets: Ma
         rows = {lang: rng.integers(0, n, size=n) for lang, n in sizes.items()}
         samples.append(values_for(drawn, rows))
     low, high = np.percentile(samples, [2.5, 97.5])
+    over_seeds = t_interval(list(per_seed.values()))
     return {"seeds": seeds, "languages": buckets, "point": point,
-            "ci95": [float(low), float(high)], "n_boot": n_boot}
+            "per_seed": {str(s): v for s, v in per_seed.items()},
+            "ci95": over_seeds["ci95"], "ci95_method": "t over seeds' D (df = seeds - 1)",
+            "sd_over_seeds": over_seeds["sd"],
+            "ci95_bootstrap": [float(low), float(high)], "n_boot": n_boot}
+
+
+def same_machine_seeds(results: Sequence[Mapping[str, Any]], folder: str,
+                       records: Mapping[str, Any] | None = None) -> tuple[list[int], dict[str, str]]:
+    """The seeds whose deep and wide runs ran on one machine (``scripts.nmt_runs.comparable``,
+    ``machines.json`` for older results), and the others with the reason they are left out."""
+    records = machine_records() if records is None else records
+    by = {(r["arch"], r["seed"]): r for r in results}
+    kept, left_out = [], {}
+    for seed in sorted({s for a, s in by if a == "deep" and ("wide", s) in by}):
+        deep, wide = by["deep", seed], by["wide", seed]
+        if comparable(deep, wide, keys=(f"{folder}/{deep['name']}", f"{folder}/{wide['name']}"),
+                      records=records):
+            kept.append(seed)
+        else:
+            left_out[str(seed)] = "deep and wide ran on different machines"
+    return kept, left_out
 
 
 def above_copy(results: Sequence[Mapping[str, Any]], buckets: Mapping[str, str]) -> bool:
@@ -447,17 +481,31 @@ def above_copy(results: Sequence[Mapping[str, Any]], buckets: Mapping[str, str])
     return True
 
 
-def summarise(results: Sequence[Mapping[str, Any]], n_boot: int) -> dict[str, Any]:
+def summarise(results: Sequence[Mapping[str, Any]], n_boot: int, folder: str = "depth_width",
+              records: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """D per metric over the seeds whose two runs share a machine, and the descriptions beside
+    it; ``folder`` names the results' folder under docs/reproduction/ (``machines.json``'s
+    keys)."""
     if not results:
         return {"runs": 0}
     config = load_nmt_config([f"--{k}={v}" for k, v in results[0]["settings"].items()])
-    train_counts = language_counts(config.data_dir, "train")
+    try:
+        train_counts = language_counts(config.data_dir, "train")
+    except (CorpusError, OSError):
+        # the corpus is not prepared in this checkout: the training-pair counts the last
+        # report read from it (the report is then a re-reading of the same runs)
+        previous = REPO / "docs" / "reproduction" / folder / "_summary.json"
+        if not previous.exists():
+            raise
+        train_counts = json.loads(previous.read_text())["train_pairs"]
     languages = sorted({lang for r in results for lang in r["test"]})
     buckets = resource_buckets({x: train_counts.get(x, 0) for x in languages},
                                config.bucket_thresholds)
+    kept, left_out = same_machine_seeds(results, folder, records)
     runs: dict[str, dict[int, Any]] = {"deep": {}, "wide": {}}
     for r in results:
-        runs[r["arch"]][r["seed"]] = r["test"]
+        if r["seed"] in kept:
+            runs[r["arch"]][r["seed"]] = r["test"]
     summary: dict[str, Any] = {
         "runs": len(results),
         "buckets": buckets,
@@ -472,6 +520,7 @@ def summarise(results: Sequence[Mapping[str, Any]], n_boot: int) -> dict[str, An
         "best_step": {f"{r['arch']}_s{r['seed']}": r["best_step"] for r in results},
         "above_copy": above_copy(results, buckets),
         "D": {metric: d_statistic(runs, buckets, metric, n_boot=n_boot) for metric in METRICS},
+        "seeds_left_out": left_out,
         "dev_loss_matched_tokens": matched_token_gaps(results, buckets),
     }
     if not summary["above_copy"]:
@@ -593,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         ran = run_pending(list(specs), args.out, work, jobs=1 if args.quick else args.jobs)
     results = read_results(args.out)
-    summary = summarise(results, args.bootstrap)
+    summary = summarise(results, args.bootstrap, folder=Path(args.out).name)
     summary.update({"design": {"archs": {a: specs[f"{a}_s{seeds[0]}"][1] for a in ARCHS},
                                "seeds": seeds, "parameters": parameters,
                                "parameter_tolerance": PARAMETER_TOLERANCE},

@@ -73,6 +73,7 @@ confirmation at the same size; one-process runs train inside this interpreter
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -82,13 +83,16 @@ from typing import Any
 
 from scripts.harness import pyplot, save_figure
 from scripts.nmt_runs import (
+    comparable,
     divergence_step,
     drop_checkpoints,
+    machine_records,
     parse_settings,
     provenance,
     read_results,
     run_pending,
     stopped_as_diverged,
+    t_interval,
     train,
     train_in_process,
     write_result,
@@ -356,11 +360,43 @@ def summarise(results: Sequence[Mapping[str, Any]], lrs: Sequence[float],
             "seed_rates": differing_rates(seed0),
             "boundary_rates": boundary_rates(seed0, lrs) if seed0 else [],
         }
+    summary["paired_differences"] = paired_differences(main)
     confirm = [r for r in results if r["group"] == "confirm"]
     summary["confirm"] = [{k: r[k] for k in ("name", "norm", "arm", "lr", "diverged",
                                              "diverged_at", "final_loss", "initial_loss",
                                              "seconds_per_step")} for r in confirm]
     return summary
+
+
+def paired_differences(results: Sequence[Mapping[str, Any]],
+                       records: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Each arm minus ``neither`` at the same norm, rate and seed, wherever more than one seed
+    ran: the per-seed differences of runs on one machine, their mean and 95% t interval, and
+    the pairs left out because the two runs' machines differ (or cannot be shown to be the
+    same: ``scripts.nmt_runs.comparable``, with ``machines.json`` for older results)."""
+    records = machine_records() if records is None else records
+    runs = {(r["norm"], r["arm"], r["lr"], r["seed"]): r for r in results}
+    multi = sorted({(n, lr) for (n, a, lr, s) in runs if s != 0})
+    out: dict[str, Any] = {}
+    for norm, lr in multi:
+        for arm in sorted({a for (n, a, x, s) in runs if n == norm and x == lr and a != "neither"}):
+            kept, left_out = {}, {}
+            for seed in sorted({s for (n, a, x, s) in runs if (n, a, x) == (norm, arm, lr)}):
+                fix, base = runs.get((norm, arm, lr, seed)), runs.get((norm, "neither", lr, seed))
+                if base is None or fix is None or None in (fix["final_loss"], base["final_loss"]):
+                    continue
+                keys = (f"stability/{fix['name']}", f"stability/{base['name']}")
+                diff = fix["final_loss"] - base["final_loss"]
+                if comparable(fix, base, keys=keys, records=records):
+                    kept[str(seed)] = diff
+                else:
+                    left_out[str(seed)] = {"difference": diff,
+                                           "why": "the two runs ran on different machines"}
+            out[f"{norm}/{arm}/{lr:g}"] = {
+                "norm": norm, "arm": arm, "lr": lr, "minus": "neither",
+                "per_seed_same_machine": kept, "left_out": left_out,
+                **t_interval(list(kept.values()))}
+    return out
 
 
 def plot(results: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], out: Path) -> None:
@@ -527,6 +563,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     config = load_nmt_config([f"--{k}={v}" for k, v in base.items()])
     unigram = unigram_entropy(config.data_dir, config.languages or None)
+    if unigram is None and (out / "_summary.json").exists():
+        # the corpus is not prepared in this checkout: the entropy the last report computed
+        # from it (it depends on the corpus only, which corpus_seed fixes)
+        unigram = json.loads((out / "_summary.json").read_text()).get("unigram_entropy")
     summary = summarise(found, lrs, unigram)
     summary.update({
         "design": {"base": base, "arms": {a: {**ARMS, **COMPARATORS}[a] for a in
