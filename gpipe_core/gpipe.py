@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .batchnorm import DeferredBatchNorm
 from .microbatch import flatten, gather, scatter, unflatten
 from .partition import split_module, verify_module
+from .precision import check_precision
 from .remat import check_pipeline_args
 from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Action, Schedule, gpipe
@@ -49,6 +50,11 @@ class GPipe(StepCounter, nn.Module):
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``.
         deferred_batch_norm: track BatchNorm running statistics over the whole mini-batch.
         seed: base of the per-layer random streams (default: ``torch.initial_seed()``).
+        precision: ``"fp32"`` runs as called (under the caller's ``torch.autocast``, if any);
+            ``"bf16"`` or ``"fp16"`` runs every stage under autocast to that dtype on its
+            device. Either way a re-materialized forward is recomputed in the autocast state
+            its first forward ran in (:mod:`gpipe_core.precision`). With ``"fp16"`` scale the
+            loss as usual: ``torch.amp.GradScaler`` works through the pipeline unchanged.
 
     Parameter names and ``state_dict`` keys are those of ``module``.
     """
@@ -63,10 +69,12 @@ class GPipe(StepCounter, nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         seed: int | None = None,
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
         verify_module(module)
         check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
+        check_precision(precision)
         partitions = split_module(module, balance)
         if devices is None:
             devices = ["cpu"] * len(partitions)
@@ -88,6 +96,7 @@ class GPipe(StepCounter, nn.Module):
         ]
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.precision = precision
         self.seed = torch.initial_seed() if seed is None else int(seed)
         self._step = 0
         self.stages: list[Stage] = []
@@ -104,6 +113,7 @@ class GPipe(StepCounter, nn.Module):
                     device=device,
                     checkpoint=checkpoint,
                     seed=self.seed,
+                    precision=precision,
                 )
             )
             first += len(partition)

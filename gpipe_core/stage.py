@@ -30,6 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .batchnorm import DeferredBatchNorm, frozen_running_stats
 from .microbatch import flatten, unflatten
+from .precision import AutocastState, check_precision
 from .remat import checkpoint_stop, fork_rng, layer_seeds, seed_rng
 from .split_backward import PendingWeights
 from .split_backward import backward_input as split_backward_input
@@ -48,6 +49,7 @@ class _Saved:
     spec: Any
     outputs: Any | None
     targets: Any
+    autocast: AutocastState | None = None  # re-materialized: the state its forward ran in
     pending: PendingWeights | None = None  # after I: what W needs
 
 
@@ -82,6 +84,7 @@ class Stage(StagePosition):
         loss_fn: LossFn | None = None,
         loss_scale: float | Callable[[int], float] | None = None,
         restore_rng: bool = True,
+        precision: str = "fp32",
     ) -> None:
         self.layers = list(layers)
         # Give the caller's random state back after every forward; a caller that forks it
@@ -95,6 +98,11 @@ class Stage(StagePosition):
         self.seed = seed
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
+        # "bf16"/"fp16": the stage runs its forward under autocast itself; "fp32": as called
+        check_precision(precision)
+        self.precision = precision
+        # fp16 loss scaling: backward starts from the loss times this (the stored loss is not)
+        self.grad_scale = 1.0
         checkpoint_stop(checkpoint, 1)  # validates the mode early
         self._batchnorms = [
             m for _, layer in self.layers for m in layer.modules() if isinstance(m, _BatchNorm)
@@ -151,19 +159,23 @@ class Stage(StagePosition):
         leaves = [_as_input_leaf(x, grad_enabled) for x in leaves]
         num_microbatches = self._num_microbatches[step]
         rematerialize = grad_enabled and mb < checkpoint_stop(self.checkpoint, num_microbatches)
-        if rematerialize:
-            with torch.no_grad():
+        # the autocast this forward runs in; a recomputation must run in it again
+        autocast = AutocastState.current(self.device, self.precision)
+        with autocast.applied(self.device):
+            if rematerialize:
+                with torch.no_grad():
+                    outputs = self._run_layers(step, mb, unflatten(leaves, spec))
+                    loss = self._loss(step, mb, outputs, targets)
+                kept = None
+                if self._needs_grad(leaves):
+                    outputs = _mark_requires_grad(outputs)
+            else:
                 outputs = self._run_layers(step, mb, unflatten(leaves, spec))
                 loss = self._loss(step, mb, outputs, targets)
-            kept = None
-            if self._needs_grad(leaves):
-                outputs = _mark_requires_grad(outputs)
-        else:
-            outputs = self._run_layers(step, mb, unflatten(leaves, spec))
-            loss = self._loss(step, mb, outputs, targets)
-            kept = loss if loss is not None else outputs
+                kept = loss if loss is not None else outputs
         if grad_enabled:
-            self._saved[(step, mb)] = _Saved(leaves, spec, kept, targets)
+            self._saved[(step, mb)] = _Saved(leaves, spec, kept, targets,
+                                             autocast if rematerialize else None)
         if loss is not None:
             self.losses[(step, mb)] = loss.detach()
         self._forwards_done[step] += 1
@@ -280,12 +292,17 @@ class Stage(StagePosition):
         forward again (and keeps its result for W)."""
         outputs = saved.outputs
         if outputs is None:
-            outputs = self._run_layers(step, mb, unflatten(saved.inputs, saved.spec))
-            if self.loss_fn is not None:
-                outputs = self._loss(step, mb, outputs, saved.targets)
+            assert saved.autocast is not None  # saved with every re-materialized forward
+            with saved.autocast.applied(self.device):
+                outputs = self._run_layers(step, mb, unflatten(saved.inputs, saved.spec))
+                if self.loss_fn is not None:
+                    outputs = self._loss(step, mb, outputs, saved.targets)
             saved.outputs = outputs
         if self.loss_fn is not None:
             assert isinstance(outputs, Tensor)
+            if self.grad_scale != 1.0:  # as GradScaler.scale: a float32 0-dim multiplier
+                outputs = outputs * torch.tensor(self.grad_scale, dtype=torch.float32,
+                                                 device=outputs.device)
             return [outputs], [None]
         if grad_outputs is None:
             raise RuntimeError(f"stage {self.stage_index} needs gradients of its outputs")
