@@ -15,13 +15,31 @@ that wrote it: stage split, placement, schedule, chunks (:mod:`gpipe_core.layout
 :func:`verify_checkpoint` checks them and raises :class:`CheckpointCorruptError` naming the first
 file that is missing, truncated or altered. An index without ``files`` (written before hashes
 were recorded) verifies nothing, so old checkpoints still load.
+
+A reader (an evaluation of a run that is still training) pins the folder it reads with
+:func:`pin_checkpoint`: a shared ``flock`` on the folder's ``index.json``, held until
+:func:`unpin_checkpoint` or the process ends (never stale). The trainer's rotation removes a
+folder only through :func:`remove_checkpoint`, which takes the exclusive lock without waiting
+and keeps a pinned folder for a later rotation::
+
+    reader                                   trainer (publish_checkpoint)
+    pin_checkpoint(step-27)  -> LOCK_SH      remove_checkpoint(step-27) -> LOCK_EX fails: kept
+    verify, load ...                         ...
+    unpin_checkpoint(step-27)                remove_checkpoint(step-27) -> removed next time
+
+A reader that comes too late (the folder went between listing and pinning) gets
+:class:`CheckpointGoneError` and looks again.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,9 +49,13 @@ import torch
 __all__ = [
     "INDEX",
     "CheckpointCorruptError",
+    "CheckpointGoneError",
     "FileEntry",
+    "pin_checkpoint",
     "read_index",
+    "remove_checkpoint",
     "torch_load",
+    "unpin_checkpoint",
     "verify_checkpoint",
     "write_atomic",
     "write_index",
@@ -46,6 +68,10 @@ _CHUNK = 1 << 20
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint file is missing, truncated, altered or unreadable; the message names it."""
+
+
+class CheckpointGoneError(FileNotFoundError):
+    """A checkpoint folder was removed (a run's rotation) before it could be pinned."""
 
 
 class _HashingWriter:
@@ -196,3 +222,85 @@ def torch_load(path: str | Path, *, weights_only: bool) -> Any:
         raise CheckpointCorruptError(
             f"checkpoint file {path} is unreadable ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+# open index.json files holding a shared flock, by folder (released by unpin or at exit)
+_PINS: dict[Path, int] = {}
+_PIN_TRIES = 20  # a rotation holds its exclusive lock for one rmtree: milliseconds
+_PIN_WAIT_S = 0.05
+
+
+def pin_checkpoint(directory: str | Path) -> Path:
+    """Keep ``directory`` from being removed by a run's rotation (:func:`remove_checkpoint`)
+    until :func:`unpin_checkpoint` or the end of this process; returns the folder.
+
+    Raises :class:`CheckpointGoneError` when the folder (its ``index.json``) is gone, or goes
+    while being pinned. Pinning twice is one pin. Needs read access only (``flock`` works on a
+    file opened for reading).
+    """
+    directory = Path(directory).resolve()
+    if directory in _PINS:
+        return directory
+    index = directory / INDEX
+    for _ in range(_PIN_TRIES):
+        try:
+            fd = os.open(index, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointGoneError(
+                f"{directory} holds no checkpoint ({INDEX} is missing; removed by the run's "
+                "rotation?)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # being removed right now: look again after it
+            os.close(fd)
+            time.sleep(_PIN_WAIT_S)
+            continue
+        except OSError:
+            os.close(fd)
+            raise
+        try:
+            same = os.stat(index).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # removed (or rewritten) between open and lock
+            os.close(fd)
+            raise CheckpointGoneError(
+                f"{directory} was removed by the run's rotation while being opened")
+        _PINS[directory] = fd
+        return directory
+    raise CheckpointGoneError(f"{directory} is being removed by the run's rotation")
+
+
+def unpin_checkpoint(directory: str | Path) -> None:
+    """Release :func:`pin_checkpoint`'s pin on ``directory`` (nothing if it holds none)."""
+    fd = _PINS.pop(Path(directory).resolve(), None)
+    if fd is not None:
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+def remove_checkpoint(directory: str | Path) -> bool:
+    """Delete a checkpoint folder unless a reader pinned it; return whether it was deleted.
+
+    Never waits: a pinned folder stays, for the next rotation to delete once the reader is
+    done. ``index.json`` goes first, under the exclusive lock, so a reader that opened it a
+    moment before sees the folder gone rather than half of it.
+    """
+    directory = Path(directory)
+    index = directory / INDEX
+    try:
+        fd = os.open(index, os.O_RDONLY)
+    except OSError:  # no index: an incomplete folder, which no reader pins
+        shutil.rmtree(directory, ignore_errors=True)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False  # a reader holds it
+            raise
+        index.unlink(missing_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)

@@ -56,7 +56,13 @@ from apps.amoebanet.data import (
     shard_infos,
 )
 from apps.config import ConfigError
-from apps.harness.checkpoints import CheckpointError, require_app, resolve_checkpoint
+from apps.harness.checkpoints import (
+    CheckpointError,
+    agree_on_checkpoint,
+    require_app,
+    resolve_checkpoint,
+    unpin,
+)
 from apps.harness.run import Run, end_run, setup_run
 
 TRAIN_COMMAND = (
@@ -236,6 +242,7 @@ def evaluate_checkpoint(
     """
     checkpoint, config = find_checkpoint(ckpt, split, overrides)
     model = load_model(config, checkpoint, torch.device(device))
+    unpin(checkpoint)  # in memory now: a running trainer may rotate it away
     metrics = ClassificationMetrics(config.num_classes)
     for images, labels in build_eval_loader(config, split):
         metrics.update(model(images.to(device)), labels)
@@ -263,6 +270,8 @@ def evaluate_pipelined(
         raise ConfigError(f"--stages={num_stages} must divide the world size {world_size} "
                           "(R replicas x K stages)")
     run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
+    # a run still training may have published another checkpoint while the ranks resolved
+    checkpoint = agree_on_checkpoint(checkpoint)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), labels)
@@ -276,6 +285,7 @@ def evaluate_pipelined(
         data_parallel_group=run.data_group if run.num_replicas > 1 else None,
         device=run.device, seed=config.seed,
     )
+    unpin(checkpoint)  # every rank's part is in memory
     balance = pipe.balance
     metrics = evaluate_pipeline(pipe, config, run, split, nullcontext())
     report = metrics.report(class_names(config), split=split)

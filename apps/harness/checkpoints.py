@@ -8,6 +8,12 @@ Every checkpoint file is written atomically and fsynced, and the folder's ``inde
 each file's size and SHA-256 (``gpipe_core.storage``). Evaluation refuses a damaged checkpoint,
 naming the file; ``--resume`` falls back to the newest intact checkpoint and says so.
 ``check_resumable`` is the one rule for which config keys a ``--resume`` may change.
+
+A run may be evaluated while it trains: the readers (``resolve_checkpoint``: the eval scripts,
+translate, classify) pin the folder they verified before reading it
+(``gpipe_core.storage.pin_checkpoint``), the trainer's rotation skips a pinned folder (it goes
+at a later rotation), and a folder rotated away between listing and pinning makes the reader
+look again and take the run's newest intact checkpoint, with a warning.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shutil
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -23,7 +28,13 @@ from typing import Any
 
 import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
-from gpipe_core.storage import torch_load
+from gpipe_core.storage import (
+    CheckpointGoneError,
+    pin_checkpoint,
+    remove_checkpoint,
+    torch_load,
+    unpin_checkpoint,
+)
 
 KEEP_CHECKPOINTS = 2  # step folders kept in out_dir, the newest: the apps' keep_checkpoints default
 LATEST = "latest"
@@ -47,7 +58,8 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
     """Point ``latest`` at ``path`` (atomically) and delete all but the ``keep`` newest steps
     (``keep=0``: every step up to ``path`` stays, e.g. for a curve scored after the run).
 
-    Call on one rank, after a barrier that follows every rank's writes.
+    Call on one rank, after a barrier that follows every rank's writes. A folder an
+    evaluation has pinned stays until a later call finds it released.
     """
     gp.write_atomic(out_dir / LATEST, path.name + "\n")
     steps = [p for p in out_dir.glob("step-*") if p.is_dir() and p != path]
@@ -56,7 +68,7 @@ def publish_checkpoint(out_dir: Path, path: Path, *, keep: int = KEEP_CHECKPOINT
     newer = [p for p in steps if p.name > path.name]
     older = sorted(p for p in steps if p.name < path.name) if keep > 0 else []
     for old in newer + older[: max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)  # kept while a reader pins it
 
 
 def holds_run(out_dir: Path) -> bool:
@@ -138,21 +150,64 @@ def resolve_checkpoint(path: str | Path, *, train_command: str, verify: bool = T
     ``train_command`` is quoted in the error when there is none (how to write one). With
     ``verify`` every file is checked against ``index.json`` (gp.CheckpointCorruptError names a
     damaged one).
+
+    The folder returned is pinned (a running trainer's rotation keeps it) until
+    :func:`unpin` or the end of the process: evaluating a run while it trains reads one
+    consistent checkpoint.
     """
     path = Path(path)
     if not (path / "index.json").is_file() and (
         (path / LATEST).exists() or any(path.glob("step-*"))
     ):
         return run_checkpoint(path, train_command=train_command, skip_damaged=False,
-                              verbose=int(os.environ.get("RANK", "0")) == 0)
+                              verbose=int(os.environ.get("RANK", "0")) == 0, pin=True)
+    missing = CheckpointError(
+        f"no checkpoint at {path} (neither {path / LATEST} nor {path / 'index.json'} "
+        f"exists); train one with `{train_command}`"
+    )
     if not (path / "index.json").is_file():
-        raise CheckpointError(
-            f"no checkpoint at {path} (neither {path / LATEST} nor {path / 'index.json'} "
-            f"exists); train one with `{train_command}`"
-        )
+        raise missing
+    try:
+        pin_checkpoint(path)
+    except CheckpointGoneError as gone:
+        raise CheckpointError(f"{gone}; pass the run's out_dir ({path.parent}) to use its "
+                              "newest checkpoint") from gone
     if verify:
-        gp.verify_checkpoint(path)
+        try:
+            gp.verify_checkpoint(path)
+        except BaseException:
+            unpin(path)
+            raise
     return path
+
+
+def agree_on_checkpoint(checkpoint: Path) -> Path:
+    """Under torchrun, once the process groups exist: the one checkpoint every rank loads.
+
+    Each rank resolved (and pinned) its own; while the run being evaluated publishes a new one,
+    they can differ. All take the oldest of them: the rank that chose it keeps it pinned until
+    every rank has pinned it too (the barrier), so the trainer cannot remove it in between.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return checkpoint
+    names: list[Any] = [None] * dist.get_world_size()
+    with gp.collectives("agreeing on the checkpoint to evaluate"):
+        dist.all_gather_object(names, str(checkpoint))
+        chosen = Path(min(names, key=lambda name: Path(name).name))
+        if chosen != checkpoint:
+            pin_checkpoint(chosen)
+        dist.barrier()
+    if chosen != checkpoint:
+        unpin_checkpoint(checkpoint)
+    return chosen
+
+
+def unpin(checkpoint: Path) -> None:
+    """Let a running trainer's rotation remove ``checkpoint`` again (``resolve_checkpoint``
+    pinned it); call once its files are loaded."""
+    unpin_checkpoint(checkpoint)
 
 
 _STEP_NAME = re.compile(r"step-\d{7}")
@@ -189,8 +244,11 @@ def read_latest(out_dir: Path) -> tuple[str | None, str | None]:
     return text, None
 
 
+_ROTATION_RETRIES = 20  # a trainer rotating every step, each look taking milliseconds
+
+
 def run_checkpoint(out_dir: Path, *, train_command: str, skip_damaged: bool,
-                   verbose: bool) -> Path:
+                   verbose: bool, pin: bool = False) -> Path:
     """The checkpoint of a run's ``out_dir`` that ``--resume``, the eval scripts, translate and
     classify use (the one place that reads ``latest``).
 
@@ -201,24 +259,63 @@ def run_checkpoint(out_dir: Path, *, train_command: str, skip_damaged: bool,
     checkpoint named by a valid ``latest`` is skipped for an older intact one (``--resume``)
     rather than refused (evaluation, which must score the checkpoint it was asked for).
     Every rank reaches the same answer from the same files.
+
+    ``pin`` (readers, not the trainer, whose own rotation must remove what it resumed from):
+    each candidate is pinned before it is verified, so the folder returned stays until
+    :func:`unpin`; a candidate that the run's rotation removes first is looked for again
+    (``latest`` has moved on), and the checkpoint used instead is named in a warning.
     """
+    rotated: list[str] = []
+    for _ in range(_ROTATION_RETRIES):
+        try:
+            return _run_checkpoint(out_dir, train_command=train_command,
+                                   skip_damaged=skip_damaged, verbose=verbose, pin=pin,
+                                   rotated=rotated)
+        except CheckpointGoneError as gone:
+            rotated.append(str(gone))
+    raise CheckpointError(
+        f"every checkpoint of {out_dir} was removed by the run's rotation before it could be "
+        f"opened, {_ROTATION_RETRIES} times ({rotated[-1]}); is another process deleting "
+        "step folders? pass a step folder, or keep_checkpoints=0 in the training run"
+    )
+
+
+def _run_checkpoint(out_dir: Path, *, train_command: str, skip_damaged: bool, verbose: bool,
+                    pin: bool, rotated: list[str]) -> Path:
     name, problem = read_latest(out_dir)
     candidates = sorted(
         (p for p in out_dir.glob("step-*")
          if p.is_dir() and _STEP_NAME.fullmatch(p.name) and (name is None or p.name <= name)),
         reverse=True,
     )
+    if pin and name is not None and not (out_dir / name).is_dir():
+        raise CheckpointGoneError(f"{out_dir / name} was removed by the run's rotation while "
+                                  "being opened")
     problems = [problem] if problem else []
     damaged = False
     for candidate in candidates:
         try:
+            if pin:
+                try:
+                    pin_checkpoint(candidate)
+                except CheckpointGoneError:
+                    if name is not None:  # latest has moved on: look again
+                        raise
+                    # no valid latest: verify names the folder without index.json, as before
             gp.verify_checkpoint(candidate)
         except (gp.CheckpointCorruptError, FileNotFoundError) as error:
+            if isinstance(error, CheckpointGoneError):
+                raise
+            if pin:
+                unpin_checkpoint(candidate)
             if candidate.name == name and not skip_damaged:
                 raise
             problems.append(str(error))
             damaged = True
             continue
+        if rotated and verbose:
+            print(f"warning: {rotated[0]}; using the run's newest intact checkpoint "
+                  f"{candidate} instead", file=sys.stderr, flush=True)
         if problems and verbose:
             verb = "resuming from" if skip_damaged else "using"
             print(f"warning: {'; '.join(problems)}; {verb} the newest intact checkpoint "

@@ -139,6 +139,9 @@ def load_checkpoint(ckpt: str | Path, *, data_dir: str | None = None,
     AmoebaNet's), its config loads, the corpus (``data_dir``, default the config's) is prepared
     (CorpusError naming the prepare command), and the corpus's tokenizer has the fingerprint
     the checkpoint was trained with (TokenizerMismatch). ``model=False`` skips the weights.
+
+    The folder stays pinned (``checkpoints.resolve_checkpoint``) until its weights are loaded:
+    with ``model=False``, call ``checkpoints.unpin(loaded.path)`` after loading them.
     """
     path = resolve_checkpoint(ckpt)
     checkpoints.require_app(path, "nmt")
@@ -168,7 +171,10 @@ def load_checkpoint(ckpt: str | Path, *, data_dir: str | None = None,
             f"{tokenizer.fingerprint}; use the corpus it was trained on "
             f"(--data-dir), or rebuild that corpus with `{prepare_command(config)}`"
         )
-    weights = load_model(config, path, device or torch.device("cpu")) if model else None
+    weights = None
+    if model:
+        weights = load_model(config, path, device or torch.device("cpu"))
+        checkpoints.unpin(path)  # in memory now: a running trainer may rotate it away
     return LoadedCheckpoint(path, config, tokenizer, weights)
 
 
@@ -561,7 +567,9 @@ def evaluate_checkpoint(
     if pipelined:
         from apps.nmt.pipelined_search import load_pipeline, pipeline_search
 
-        pipe, run = load_pipeline(loaded, device=device)
+        pipe, run = load_pipeline(loaded, device=device)  # agrees on one checkpoint
+        path = loaded.path
+        checkpoints.unpin(path)
         search = pipeline_search(pipe, config, beam_size=beam_size or config.beam_size,
                                  alpha=config.length_penalty if alpha is None else alpha)
         device, master = str(run.device), run.master

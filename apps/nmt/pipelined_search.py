@@ -493,12 +493,15 @@ def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
     only the shards holding its layers), else, for another number of stages or a checkpoint
     written before the split was recorded, the layers split by parameters.
     """
+    from apps.harness.checkpoints import agree_on_checkpoint
     from apps.harness.run import setup_run
     from apps.nmt.config import build_model
 
     config = loaded.config
     num_stages = num_stages or int(os.environ["WORLD_SIZE"])
     run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
+    # a run still training may have published another checkpoint while the ranks resolved
+    loaded.path = agree_on_checkpoint(loaded.path)
     pipe = gp.DistributedGPipe.from_checkpoint(
         loaded.path, build_model(config, device="meta"), num_stages=num_stages,
         resplit=gp.balance_by_params, schedule="gpipe", chunks=1, device=run.device,
