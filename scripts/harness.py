@@ -212,9 +212,74 @@ def provenance(load_before: tuple[float, float, float] | None = None) -> dict[st
     }
 
 
-def write_json(path: str | Path, result: Any, **dumps: Any) -> Path:
-    """Write ``result`` as indented JSON at ``path`` (its folder made as needed)."""
+# Published results live here; a result written here from a tree with uncommitted changes
+# cannot be traced to the code that produced it (issue 40), so it is refused unless it is
+# marked a draft: ``--draft`` on the scripts (:func:`add_draft_argument`) or GPIPE_DRAFT=1.
+PUBLISHED = ROOT / "docs" / "reproduction"
+DRAFT_ENV = "GPIPE_DRAFT"
+
+
+class DirtyTreeError(RuntimeError):
+    """A published result would be written from a tree with uncommitted changes."""
+
+
+def uncommitted_files() -> list[str]:
+    """Tracked files with uncommitted changes (``git status --porcelain``, untracked files
+    not counted, as in :func:`provenance`)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def is_draft(draft: bool | None = None) -> bool:
+    """``draft`` if given, else whether GPIPE_DRAFT is set to something other than 0/empty."""
+    if draft is not None:
+        return draft
+    return os.environ.get(DRAFT_ENV, "") not in ("", "0", "false", "no")
+
+
+def refuse_dirty_tree(path: str | Path, *, draft: bool | None = None) -> None:
+    """Raise :class:`DirtyTreeError` if ``path`` is a published result (under
+    docs/reproduction/), the tree has uncommitted changes, and the result is not a draft.
+    Scripts call it before measuring too, so that a long run is refused at its start."""
+    path = Path(path).resolve()
+    if PUBLISHED not in (path, *path.parents) or is_draft(draft):
+        return
+    changed = uncommitted_files()
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5
+                                           else "")
+        raise DirtyTreeError(
+            f"refusing to write {path}: the tree has uncommitted changes "
+            f"({shown}); commit them (or run from a clean worktree: git worktree add), or mark "
+            f"the result a draft with --draft or {DRAFT_ENV}=1")
+
+
+def add_draft_argument(parser: Any) -> None:
+    """``--draft``: allow writing published results from a dirty tree (the result records
+    ``"draft": true``)."""
+    parser.add_argument("--draft", action="store_true",
+                        help="write results even with uncommitted changes, marked as a draft "
+                             f"(same as {DRAFT_ENV}=1)")
+
+
+def set_draft(draft: bool) -> None:
+    """After parsing ``--draft``: every write path of this process (and its children) sees it."""
+    if draft:
+        os.environ[DRAFT_ENV] = "1"
+
+
+def write_json(path: str | Path, result: Any, *, draft: bool | None = None, **dumps: Any) -> Path:
+    """Write ``result`` as indented JSON at ``path`` (its folder made as needed). A published
+    result (under docs/reproduction/) from a tree with uncommitted changes is refused
+    (:func:`refuse_dirty_tree`) unless it is a draft; a draft result records ``"draft": true``."""
     path = Path(path)
+    refuse_dirty_tree(path, draft=draft)
+    if is_draft(draft) and isinstance(result, dict):
+        result = {**result, "draft": True}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, **dumps) + "\n")
     return path

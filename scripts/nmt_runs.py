@@ -279,7 +279,13 @@ def to_json(value: Any, indent: int = 0) -> str:
 
 def write_result(path: Path, result: Mapping[str, Any]) -> None:
     """Write a run's result JSON (:func:`to_json`) atomically (a sweep killed mid-write leaves
-    no half file, so the resumed sweep reruns that run rather than skipping it)."""
+    no half file, so the resumed sweep reruns that run rather than skipping it). Published
+    results from a dirty tree are refused unless a draft (``scripts.harness.refuse_dirty_tree``)."""
+    from scripts.harness import is_draft, refuse_dirty_tree
+
+    refuse_dirty_tree(path)
+    if is_draft() and isinstance(result, Mapping):
+        result = {**result, "draft": True}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(to_json(result) + "\n")

@@ -104,7 +104,13 @@ from apps.nmt.evaluate import Sentence, load_eval_sentences, load_model, transla
 from apps.nmt.model import count_parameters
 from data.related_languages.build import DESIGN, Design
 from data.related_languages.build import build as build_related
-from scripts.harness import pyplot, save_figure
+from scripts.harness import (
+    add_draft_argument,
+    pyplot,
+    refuse_dirty_tree,
+    save_figure,
+    set_draft,
+)
 from scripts.nmt_runs import (
     REPO,
     comparable,
@@ -603,7 +609,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 seeds (tests)")
     parser.add_argument("--keep-runs", action="store_true", help="keep checkpoints of runs")
     parser.add_argument("--timeout-minutes", type=float, default=180.0, help="per run")
+    add_draft_argument(parser)
     args = parser.parse_args(argv)
+    # a published result from a dirty tree is refused now, not after the run (issue 40)
+    set_draft(args.draft)
+    refuse_dirty_tree(args.out or OUT[args.corpus])
     started = time.monotonic()
     args.out = args.out or OUT[args.corpus]
     args.runs_dir = args.runs_dir or RUNS[args.corpus]

@@ -89,11 +89,14 @@ from gpipe_core.launch import spawn, start, stop
 from gpipe_core.partition import optimal_balance
 from scripts.harness import (
     LiveTensorBytes,
+    add_draft_argument,
     provenance,
     pyplot,
+    refuse_dirty_tree,
     reset_peak_rss,
     rss_mb,
     save_figure,
+    set_draft,
     write_json,
 )
 from scripts.reproduction import (
@@ -639,7 +642,11 @@ def main() -> None:
                              "every trial process, bytes (0: glibc's default, unfixed)")
     parser.add_argument("--tiny", action="store_true", help="tiny ladders for the tests")
     parser.add_argument("--out", default="docs/reproduction")
+    add_draft_argument(parser)
     args = parser.parse_args()
+    # a published result from a dirty tree is refused now, not after the run (issue 40)
+    set_draft(args.draft)
+    refuse_dirty_tree(Path(args.out) / "memory.json")
     if args.checkpoint not in ("always", "except_last", "never"):
         parser.error(f"--checkpoint {args.checkpoint!r} is not one of always, except_last, never")
     families = TINY_FAMILIES if args.tiny else FAMILIES

@@ -546,7 +546,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny ladders (seconds, for tests)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "reproduction" / "paper_scale.json"))
+    harness.add_draft_argument(parser)
     args = parser.parse_args(argv)
+    # a published result from a dirty tree is refused now, not after the run (issue 40)
+    harness.set_draft(args.draft)
+    harness.refuse_dirty_tree(args.out)
     load_before = os.getloadavg()
     report: dict[str, Any] = {"provenance": None, "tiny": args.tiny}
     started = time.perf_counter()

@@ -81,7 +81,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from scripts.harness import pyplot, save_figure
+from scripts.harness import (
+    add_draft_argument,
+    pyplot,
+    refuse_dirty_tree,
+    save_figure,
+    set_draft,
+)
 from scripts.nmt_runs import (
     comparable,
     divergence_step,
@@ -485,7 +491,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="the tiny model, 2 arms x 2 norms x 2 rates, 6 steps (tests)")
     parser.add_argument("--keep-runs", action="store_true", help="keep checkpoints of runs")
     parser.add_argument("--timeout-minutes", type=float, default=120.0, help="per run")
+    add_draft_argument(parser)
     args = parser.parse_args(argv)
+    # a published result from a dirty tree is refused now, not after the run (issue 40)
+    set_draft(args.draft)
+    refuse_dirty_tree(args.out)
     started = time.monotonic()
     extra: dict[str, Any] = parse_settings(args.set)
     base = {**(QUICK if args.quick else BASE), **extra}

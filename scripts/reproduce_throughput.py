@@ -61,9 +61,12 @@ from gpipe_core.partition import optimal_balance
 from gpipe_core.remat import checkpoint_stop
 from scripts.harness import (
     LiveTensorBytes,
+    add_draft_argument,
     provenance,
     pyplot,
+    refuse_dirty_tree,
     save_figure,
+    set_draft,
     setup_process,
     step_memory_mb,
     timed_step,
@@ -675,7 +678,11 @@ def main() -> None:
     parser.add_argument("--out", default="docs/reproduction")
     parser.add_argument("--tag", default="",
                         help="written as throughput_TAG.json, throughput_TAG.png, simulator_TAG.png")
+    add_draft_argument(parser)
     args = parser.parse_args()
+    # a published result from a dirty tree is refused now, not after the run (issue 40)
+    set_draft(args.draft)
+    refuse_dirty_tree(Path(args.out) / "throughput.json")
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
     if 1 not in args.microbatches:
