@@ -14,6 +14,7 @@ from .layout import PipelineLayout, read_layout
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .plan import NoPlanFits, Plan, plan, plan_largest
+from .precision import PRECISIONS, LossScaler
 from .profile import StageProfile, profile_stages, profile_timeline
 from .schedule import (
     Action,
@@ -36,6 +37,8 @@ from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 __all__ = [
     "GPipe",
     "DistributedGPipe",
+    "LossScaler",
+    "PRECISIONS",
     "PipelineLayout",
     "read_layout",
     "Channel",

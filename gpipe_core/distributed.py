@@ -49,6 +49,7 @@ from .layout import PipelineLayout, read_layout, stage_split
 from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import Balance, split_module, verify_module
+from .precision import LossScaler, check_precision
 from .profile import StageProfile, profile_timeline
 from .remat import check_pipeline_args, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState
@@ -98,6 +99,16 @@ class DistributedGPipe(StepCounter, nn.Module):
         quiet_io: with gloo, keep gloo's I/O thread from preempting this rank's sends and
             receive posts (:class:`~gpipe_core.cpu.QuietIOThreads`; measured in
             docs/RESULTS.md); False gives plain gloo behaviour.
+        precision: ``"fp32"`` runs as called (a ``torch.autocast`` around :meth:`step` is
+            honoured); ``"bf16"`` or ``"fp16"`` runs every stage under autocast to that dtype.
+            Re-materialized forwards are recomputed in the autocast state they first ran in.
+            ``"fp16"`` also scales the loss (``loss_scaler``, default
+            :class:`~gpipe_core.precision.LossScaler()`): each step unscales the gradients
+            and every rank of the pipeline skips it together when any gradient is inf or NaN
+            (the step's gradients are dropped, so ``optimizer.step()`` does nothing; see
+            :attr:`step_skipped`).
+        loss_scaler: the fp16 loss scaler (only with ``precision="fp16"``); save its
+            ``state_dict()`` with the optimizer's to resume exactly.
     """
 
     def __init__(
@@ -120,11 +131,20 @@ class DistributedGPipe(StepCounter, nn.Module):
         timeout_s: float | None = None,
         record: bool = False,
         quiet_io: bool = True,
+        precision: str = "fp32",
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         super().__init__()
         _require_distributed()
         verify_module(module)
         check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
+        check_precision(precision)
+        if loss_scaler is not None and precision != "fp16":
+            raise ValueError(f"loss_scaler= is for precision='fp16' (got precision="
+                             f"{precision!r}): bf16 and fp32 gradients need no scaling")
+        self.precision = precision
+        self.loss_scaler = (loss_scaler or LossScaler()) if precision == "fp16" else None
+        self.step_skipped = False  # fp16: the last step's gradients were not finite
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' or 'sum'")
         self.group = group
@@ -196,6 +216,7 @@ class DistributedGPipe(StepCounter, nn.Module):
                 seed=self.seed,
                 loss_fn=loss_fn if index == self.num_stages - 1 else None,
                 restore_rng=False,  # _run_step forks the random state once per step
+                precision=precision,
             )
             transport = DistributedTransport(index, self.stage_ranks, self.device,
                                              policy=self._policy, timeout_s=timeout_s,
@@ -351,8 +372,11 @@ class DistributedGPipe(StepCounter, nn.Module):
             loss_scale = 1.0 / num_microbatches
         else:
             loss_scale = None
+        scaler = self.loss_scaler if train else None
+        accumulated = self._set_aside_gradients() if scaler is not None else None
         for stage in self.stages:
             stage.loss_scale = loss_scale
+            stage.grad_scale = scaler.scale if scaler is not None else 1.0
         actions = self.schedule(num_microbatches).actions[self.pipeline_rank]
         if not train:
             actions = tuple(a for a in actions if a.kind == "F")
@@ -386,11 +410,36 @@ class DistributedGPipe(StepCounter, nn.Module):
                         dist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
                     else:
                         average_gradients(list(self.parameters()), self.data_parallel_group)
+            if scaler is not None:  # after the average: replicas of a stage agree already
+                self._unscale(scaler, accumulated)
         except PipelineFailure:
             raise
         except RuntimeError as exc:  # a peer died between our last message and the collective
             raise PeerError(-1, -1, f"collective after the step failed ({exc})") from exc
         return loss, outputs
+
+    def _set_aside_gradients(self) -> dict[Tensor, Tensor]:
+        """Gradients accumulated before an fp16 step, taken out of ``.grad`` so that the step
+        unscales (and, if not finite, drops) only its own; :meth:`_unscale` adds them back."""
+        kept: dict[Tensor, Tensor] = {p: p.grad for p in self.parameters() if p.grad is not None}
+        for p in kept:
+            p.grad = None
+        return kept
+
+    def _unscale(self, scaler: LossScaler, accumulated: dict[Tensor, Tensor] | None) -> None:
+        """Unscale this step's gradients; all ranks of the pipeline skip the step together if
+        any is inf or NaN (every gradient dropped, including those accumulated before, as
+        GradScaler skips the whole optimizer step; the scale backed off), else none does."""
+        params = list(self.parameters())
+        finite = scaler.unscale_(params, group=self.group, device=self.device)
+        scaler.update(finite)
+        self.step_skipped = not finite
+        for p in params:
+            earlier = (accumulated or {}).get(p)
+            if not finite:
+                p.grad = None
+            elif earlier is not None:
+                p.grad = earlier if p.grad is None else earlier.add_(p.grad)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip gradients by one norm over all stages' parameters; return that total norm."""

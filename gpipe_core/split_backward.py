@@ -194,20 +194,45 @@ def _run_directly(group: _Group, captured: dict[Node, tuple[Tensor | None, ...]]
 def _into_branch(child: Node, input_nr: int, grad: Tensor, targets: set[int],
                  params: list[Tensor]) -> None:
     """Deliver ``grad`` along the edge into ``child``, as the engine would: into the
-    parameter's ``.grad`` when ``child`` is its accumulator (or a transpose of it) and the
+    parameter's ``.grad`` when ``child`` is its accumulator, or leads to it through a
+    transpose and autocast's cast of the weight (``TBackward0``, ``ToCopyBackward0``), and the
     parameter has no hooks; else by an autograd call rooted at the edge. Runs under
     ``torch.no_grad()`` (the autograd call computes gradients there as anywhere)."""
-    transpose = child.name() == "TBackward0"
-    accumulator = child.next_functions[0][0] if transpose else child
+    chain = []
+    accumulator = child
+    while accumulator.name() in _PASS_THROUGH and len(chain) < 2:
+        chain.append(accumulator.name())
+        accumulator = accumulator.next_functions[0][0]
     variable = getattr(accumulator, "variable", None)
     if variable is not None and id(variable) in targets and not _has_hooks(variable):
-        grad = grad.t() if transpose else grad
-        if grad.shape != variable.shape:  # a broadcast bias: the engine's sum_to
+        if "TBackward0" not in chain and grad.shape != variable.shape:
+            # a broadcast bias: the engine's sum_to, at the edge, in the dtype that arrives
             grad = grad.sum_to_size(variable.shape)
+        if "TBackward0" in chain:
+            grad = grad.t()
+        if "ToCopyBackward0" in chain:  # autocast's cast: the gradient goes back to the
+            grad = grad.to(variable.dtype)  # parameter's dtype
         _accumulate(variable, grad)
         return
+    if grad.dim() and child.name() == "ToCopyBackward0":  # an autocast cast of a bias
+        shape = _leaf_shape(child)
+        if shape is not None and grad.shape != shape:
+            grad = grad.sum_to_size(shape)
     torch.autograd.backward([GradientEdge(child, input_nr)], [grad], inputs=params,
                             retain_graph=True)
+
+
+# Nodes between a matrix product and a weight's accumulator that W may undo itself: a linear
+# layer's transposed weight, and the cast of the weight that autocast inserts.
+_PASS_THROUGH = ("TBackward0", "ToCopyBackward0")
+
+
+def _leaf_shape(node: Node) -> torch.Size | None:
+    """The shape of the parameter below a chain of pass-through nodes (None if not a leaf)."""
+    while node.name() in _PASS_THROUGH:
+        node = node.next_functions[0][0]
+    variable = getattr(node, "variable", None)
+    return variable.shape if variable is not None else None
 
 
 def _has_hooks(param: Tensor) -> bool:
