@@ -51,3 +51,18 @@ def test_paper_scale_script_end_to_end_on_a_tiny_ladder(tmp_path: Path) -> None:
     for family, chosen in held.items():
         assert chosen["M"] in (2, 4)
         assert all(c["family"] == family and c["M"] == chosen["M"] for c in chosen["cells"])
+    # Issue 40: what is input, chosen, assumed and predicted is stated; the leave-one-family-out
+    # cells are the held-out ones; every Table 2 cell's sensitivity to each assumed constant.
+    assert set(report["inputs"]) == {"read_from_the_paper", "chosen_with_the_paper_in_view",
+                                     "vendor_figures", "assumptions", "predictions"}
+    assert set(report["inputs"]["assumptions"]) == {"achievable", "op_overhead", "link_latency"}
+    lofo = report["table1_leave_one_family_out"]["cells"]
+    assert len(lofo) == (len([c for f in held.values() for c in f["cells"]])
+                         + sum(r["column"] == "naive-1" for r in rows))
+    sens = report["table2_sensitivity"]["constants"]
+    assert set(sens) == {f"{c}_x{f}" for c in ("achievable", "op_overhead", "link_latency")
+                         for f in ("0.5", "2")}
+    for entry in sens.values():
+        assert len(entry["cells"]) == len(table2["comparisons"])
+    # halving the achievable fraction slows compute, not messages: some cell moves
+    assert sens["achievable_x0.5"]["largest_abs_change"] > 0
