@@ -425,7 +425,7 @@ def d_statistic(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], buckets: Ma
     interval is 2-3x too narrow. ``ci95_bootstrap`` keeps the paired bootstrap beside it (each
     replicate draws seeds with replacement, shared by the architectures, and per language
     sentences with replacement, shared by every run); with one seed it is the only interval
-    (sentences only) and ``ci95`` is None."""
+    (sentences only), and ``ci95`` is that one."""
     seeds = sorted(set(runs["deep"]) & set(runs["wide"]))
     langs = [lang for lang in buckets if all(lang in runs[a][s] for a in runs for s in seeds)]
     buckets = {lang: buckets[lang] for lang in langs}
@@ -450,9 +450,12 @@ def d_statistic(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], buckets: Ma
         samples.append(values_for(drawn, rows))
     low, high = np.percentile(samples, [2.5, 97.5])
     over_seeds = t_interval(list(per_seed.values()))
+    one_seed = over_seeds["ci95"] is None
     return {"seeds": seeds, "languages": buckets, "point": point,
             "per_seed": {str(s): v for s, v in per_seed.items()},
-            "ci95": over_seeds["ci95"], "ci95_method": "t over seeds' D (df = seeds - 1)",
+            "ci95": [float(low), float(high)] if one_seed else over_seeds["ci95"],
+            "ci95_method": ("bootstrap over sentences (one seed: nothing resamples seeds)"
+                            if one_seed else "t over seeds' D (df = seeds - 1)"),
             "sd_over_seeds": over_seeds["sd"],
             "ci95_bootstrap": [float(low), float(high)], "n_boot": n_boot}
 

@@ -237,7 +237,10 @@ def test_d_statistic_recovers_a_low_resource_gain_built_in() -> None:
     runs = {"deep": {0: deep, 1: deep_noisy, 2: deep}, "wide": {0: wide, 1: wide}}
     d = reproduce_depth_width.d_statistic(runs, BUCKETS, "loss", n_boot=200)
     assert d["seeds"] == [0, 1] and d["point"] == pytest.approx((-0.5 + 1.0) / 2)
-    assert d["ci95"][0] == pytest.approx(-0.5) and d["ci95"][1] == pytest.approx(1.0)
+    # the bootstrap over 2 seeds cannot reach beyond them; the t interval (df 1) does
+    assert d["ci95_bootstrap"] == pytest.approx([-0.5, 1.0])
+    half = 12.706 * (1.5 / 2**0.5) / 2**0.5  # t_{0.975,1} * sd(-0.5, 1.0) / sqrt(2)
+    assert d["ci95"] == pytest.approx([0.25 - half, 0.25 + half], abs=1e-6)
 
 
 def test_bucket_d_by_hand() -> None:
