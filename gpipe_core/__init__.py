@@ -30,6 +30,7 @@ from .schedule import (
     zb_h2,
     zb_v,
 )
+from .sequentialize import SequentializeError, Shared, sequentialize
 from .shards import load_shards, save_shards
 from .simulate import Simulation, simulate
 from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
@@ -88,5 +89,8 @@ __all__ = [
     "interleaved_zb",
     "zb_v",
     "dualpipe_v",
+    "sequentialize",
+    "Shared",
+    "SequentializeError",
 ]
 __version__ = "0.1.0"
