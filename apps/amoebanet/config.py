@@ -62,6 +62,9 @@ class AmoebaNetConfig:
     chunks: int = 4  # M: micro-batches per mini-batch
     schedule: str = "gpipe"  # any name gpipe_core runs: "gpipe" (fill-drain), "1f1b", "1f1b_slackN"
     checkpoint: str = "except_last"  # re-materialization: "always" | "except_last" | "never"
+    # "fp32"; "bf16": autocast to bfloat16 on every stage (CPU or GPU; step times measured in
+    # docs/RESULTS.md#mixed-precision); "fp16": autocast to float16 with dynamic loss scaling
+    precision: str = "fp32"
     balance: tuple[int, ...] | None = None  # layers per stage; None = by measured time (by parameters above 50M)
     timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named
 
@@ -159,7 +162,8 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
             f"micro-batches would be uneven"
         )
     check_pipeline_options(schedule=config.schedule, checkpoint=config.checkpoint,
-                           num_stages=config.num_stages, chunks=config.chunks)
+                           num_stages=config.num_stages, chunks=config.chunks,
+                           precision=config.precision)
     try:
         check_image_size(config.image_size, config.image_size, config.stem_stride)
     except ValueError as exc:

@@ -37,7 +37,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +167,6 @@ def write_report(report: dict[str, Any], path: str | Path) -> tuple[Path, Path]:
 
 def evaluate_pipeline(
     pipe: gp.DistributedGPipe, config: AmoebaNetConfig, run: Run, split: str,
-    autocast: AbstractContextManager[Any],
 ) -> ClassificationMetrics:
     """Top-1 / top-5 on ``split`` through the pipeline (forward only, BatchNorm in eval mode).
 
@@ -189,9 +187,8 @@ def evaluate_pipeline(
             break
         labels = run.broadcast_from_first_stage(batch[1] if batch is not None else None,
                                    torch.empty(int(size[0]), dtype=torch.int64))
-        with autocast:
-            _, logits = pipe.evaluate(batch[0] if batch is not None else None,
-                                      labels if pipe.is_last else None, return_outputs=True)
+        _, logits = pipe.evaluate(batch[0] if batch is not None else None,
+                                  labels if pipe.is_last else None, return_outputs=True)
         if pipe.is_last:
             metrics.update(logits, labels)
     pipe.train()
@@ -283,11 +280,11 @@ def evaluate_pipelined(
         resplit=gp.balance_by_params, chunks=config.chunks, schedule="gpipe",
         deferred_batch_norm=False, loss_fn=loss_fn, group=run.pipeline_group,
         data_parallel_group=run.data_group if run.num_replicas > 1 else None,
-        device=run.device, seed=config.seed,
+        device=run.device, seed=config.seed, precision=config.precision,
     )
     unpin(checkpoint)  # every rank's part is in memory
     balance = pipe.balance
-    metrics = evaluate_pipeline(pipe, config, run, split, nullcontext())
+    metrics = evaluate_pipeline(pipe, config, run, split)
     report = metrics.report(class_names(config), split=split)
     report.update(checkpoint=str(checkpoint), stages=num_stages, balance=list(balance),
                   replicas=run.num_replicas)

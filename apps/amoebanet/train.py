@@ -38,7 +38,6 @@ import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +97,7 @@ RESUMABLE_CHANGES = frozenset({
     "ckpt_every", "keep_checkpoints", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
     "budget_minutes", "train_steps",  # the length the checkpoint records is the one resumed
     "goal_steps", "resume", "max_steps",  # run options
+    "precision",  # the weights stay float32 whatever the compute dtype
 })
 
 
@@ -219,6 +219,7 @@ def amoebanet_pipeline(config: AmoebaNetConfig, run: Run, balance: list[int]
         seed=config.seed,
         deferred_batch_norm=True,  # per-micro-batch statistics, mini-batch running statistics
         quiet_io=config.quiet_io,
+        precision=config.precision,
     )
     return pipe, num_params
 
@@ -280,17 +281,15 @@ def rank0_stop(config: AmoebaNetConfig, step: int, length: RunLength, *, started
 
 
 def train_step(pipe: gp.DistributedGPipe, run: Run, optimizer: torch.optim.Optimizer,
-               batch: Batch | None, target_like: Tensor, autocast: AbstractContextManager[Any],
-               *, step: int) -> float:
+               batch: Batch | None, target_like: Tensor, *, step: int) -> float:
     """One optimizer step on the first stage's ``batch`` (None elsewhere): its targets sent to
     the last stage, forward + backward through the pipeline, the loss averaged over replicas."""
     with gp.collectives(f"targets of step {step + 1}"):
         targets = run.broadcast_from_first_stage(batch[1] if batch is not None else None,
                                                  target_like)
     optimizer.zero_grad(set_to_none=True)
-    with autocast:
-        loss = pipe.step(batch[0] if batch is not None else None,
-                         targets if pipe.is_last else None)
+    loss = pipe.step(batch[0] if batch is not None else None,
+                     targets if pipe.is_last else None)
     if run.num_replicas > 1:
         with gp.collectives(f"loss of step {step + 1}"):
             dist.all_reduce(loss, group=run.data_group)
@@ -304,8 +303,8 @@ class Evaluation:
     that the clock can keep time for the final one (:meth:`reserve_s`)."""
 
     def __init__(self, pipe: gp.DistributedGPipe, config: AmoebaNetConfig, run: Run,
-                 autocast: AbstractContextManager[Any], classes: list[str]) -> None:
-        self.pipe, self.config, self.run, self.autocast = pipe, config, run, autocast
+                 classes: list[str]) -> None:
+        self.pipe, self.config, self.run = pipe, config, run
         self.classes = classes
         self.images = num_images(config, config.eval_split)
         self.seconds_per_image: float | None = None
@@ -313,7 +312,7 @@ class Evaluation:
     def __call__(self, split: str, step: int) -> dict[str, Any]:
         begin = time.monotonic()
         with gp.collectives(f"evaluation on {split} at step {step}"):
-            metrics = evaluate_pipeline(self.pipe, self.config, self.run, split, self.autocast)
+            metrics = evaluate_pipeline(self.pipe, self.config, self.run, split)
         self.seconds_per_image = (time.monotonic() - begin) / max(metrics.images, 1)
         return metrics.report(self.classes, split=split)
 
@@ -452,9 +451,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     pipe, num_params = amoebanet_pipeline(config, run, balance)
     optimizer, length = optimization(config, pipe, state, updates_per_epoch)
     scheduler = make_scheduler(config, optimizer, updates_per_epoch, length.steps)
-    autocast: AbstractContextManager[Any] = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if run.device.type == "cuda"
-        else nullcontext())
     run.say(describe(config, run, balance, num_params, train_images=train_images,
                      updates_per_epoch=updates_per_epoch))
     step, epoch, batch_in_epoch, images_seen, train_seconds = 0, 0, 0, 0, 0.0
@@ -479,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         }, indent=1) + "\n"
         return state, {"run.json": run_json}
 
-    evaluation = Evaluation(pipe, config, run, autocast, classes)
+    evaluation = Evaluation(pipe, config, run, classes)
     loop = TrainingLoop(config, run, pipe, optimizer=optimizer, balance=balance, length=length,
                         step=step, started=started, checkpoint_state=checkpoint_state)
 
@@ -527,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             lr = optimizer.param_groups[0]["lr"]
 
             # forward + backward through the pipeline; the targets travel first -> last stage
-            loss_value = train_step(pipe, run, optimizer, batch, target_like, autocast, step=step)
+            loss_value = train_step(pipe, run, optimizer, batch, target_like, step=step)
             step += 1
             batch_in_epoch += 1
             images_seen += images_per_step

@@ -103,6 +103,8 @@ def restore(pipe: gp.DistributedGPipe, optimizer: torch.optim.Optimizer, resume_
     pipe.load_checkpoint(resume_dir)
     optimizer.load_state_dict(state["optimizer"])
     pipe.steps_done = state["pipe_steps"]
+    if pipe.loss_scaler is not None and state.get("loss_scaler"):  # fp16: the scale goes on
+        pipe.loss_scaler.load_state_dict(state["loss_scaler"])
 
 
 class Window:
@@ -246,6 +248,8 @@ class TrainingLoop:
         own, files = self.checkpoint_state(step)
         state = {"optimizer": self.optimizer.state_dict(), "step": step,
                  "pipe_steps": self.pipe.steps_done, "train_steps": self.length.recorded_steps,
+                 "loss_scaler": (self.pipe.loss_scaler.state_dict()
+                                 if self.pipe.loss_scaler is not None else None),
                  "world_size": self.run.world_size, "balance": self.balance, **own}
         config = replace(self.config, train_steps=state["train_steps"])
         path = write_checkpoint(self.out_dir, step, self.pipe, state, config,

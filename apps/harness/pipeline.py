@@ -11,20 +11,23 @@ import torch.distributed as dist
 import gpipe_core as gp
 from apps.config import ConfigError
 from gpipe_core.microbatch import map_tensors
+from gpipe_core.precision import check_precision
 from gpipe_core.remat import check_pipeline_args
 
 
 def check_pipeline_options(*, schedule: str, checkpoint: str, num_stages: int,
-                           chunks: int) -> None:
+                           chunks: int, precision: str = "fp32") -> None:
     """ConfigError, with gpipe_core's own message, unless the library runs ``schedule``
     (``gpipe``, ``1f1b``, ``1f1b_slackN``, ...) with ``num_stages`` x ``chunks`` and knows the
-    re-materialization mode ``checkpoint``. The apps keep no list of their own."""
+    re-materialization mode ``checkpoint`` and the ``precision``. The apps keep no list of
+    their own."""
     try:
         gp.get_schedule(schedule, num_stages, chunks)
     except ValueError as error:
         raise ConfigError(f"schedule={schedule!r}: {error}") from None
     try:
         check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
+        check_precision(precision)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -115,7 +115,9 @@ class NMTConfig:
 
     # --- runtime ---
     device: str = "cpu"  # "cpu", "cuda", or "auto" (cuda if available, as the GPU configs use)
-    bf16: bool = True  # bf16 autocast on GPU (ignored on CPU)
+    # "fp32"; "bf16": autocast to bfloat16 on every stage (CPU or GPU; step times measured in
+    # docs/RESULTS.md#mixed-precision); "fp16": autocast to float16 with dynamic loss scaling
+    precision: str = "fp32"
     num_threads: int = 1  # torch CPU threads per rank (2 stages x 1 thread = 2 cores)
     # CPU knobs (gpipe_core.cpu; measured in docs/RESULTS.md)
     pin_cpus: bool = False  # pin each local rank to its own share of the cores (gp.bind_cpus)
@@ -198,7 +200,8 @@ class NMTConfig:
                 "(1 samples languages by size, larger flattens towards uniform)"
             )
         check_pipeline_options(schedule=self.schedule, checkpoint=self.checkpoint,
-                               num_stages=self.num_stages, chunks=self.chunks)
+                               num_stages=self.num_stages, chunks=self.chunks,
+                               precision=self.precision)
         choices = {
             "optimizer": OPTIMIZERS,
             "lr_schedule": LR_SCHEDULES,

@@ -30,7 +30,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,7 @@ RESUMABLE_CHANGES = frozenset({
     "train_steps", "budget_minutes",  # the length the checkpoint records is the one resumed
     "goal_steps", "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
     "ckpt_every", "keep_checkpoints", "wandb_project", "wandb_mode", "beam_size",
-    "length_penalty", "max_decode_len", "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "bf16",
+    "length_penalty", "max_decode_len", "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "precision",
     "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
     "quiet_io", "schedule", "checkpoint", "packages", "unk_id", "bos_id", "eos_id",
     "label_smoothing", "lr", "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2",
@@ -321,6 +320,7 @@ def nmt_pipeline(config: NMTConfig, run: Run, state: dict[str, Any]
         device=run.device,
         seed=config.seed,
         quiet_io=config.quiet_io,
+        precision=config.precision,
     )  # its timeout is the pipeline group's: config.timeout_s, given to setup_run
     return pipe, balance, sum(p.numel() for p in model.parameters())
 
@@ -376,8 +376,7 @@ def tokenizer_file(config: NMTConfig, tokenizer: Tokenizer) -> str:
 
 
 def train_step(pipe: gp.DistributedGPipe, run: Run, optimizer: torch.optim.Optimizer,
-               batches: TrainBatches, config: NMTConfig, autocast: AbstractContextManager[Any],
-               *, step: int) -> tuple[Tensor, Tensor | None, int]:
+               batches: TrainBatches, config: NMTConfig, *, step: int) -> tuple[Tensor, Tensor | None, int]:
     """One optimizer step: R batches from the shared stream, replica r training on the r-th;
     forward + backward through the pipeline, the loss the mean over the step's target tokens
     of every replica. Returns the loss, the gradient norm (None without clipping) and the
@@ -386,10 +385,9 @@ def train_step(pipe: gp.DistributedGPipe, run: Run, optimizer: torch.optim.Optim
     batch = step_batches[run.replica]
     counts = [count_tokens(b, config.pad_id) for b in step_batches]
     optimizer.zero_grad(set_to_none=True)
-    with autocast:
-        loss = pipe.step((batch.src, batch.tgt_in) if pipe.is_first else None,
-                         batch.tgt_out if pipe.is_last else None,
-                         normalizer=loss_normalizer(sum(t for _, t in counts), run.num_replicas))
+    loss = pipe.step((batch.src, batch.tgt_in) if pipe.is_first else None,
+                     batch.tgt_out if pipe.is_last else None,
+                     normalizer=loss_normalizer(sum(t for _, t in counts), run.num_replicas))
     if run.num_replicas > 1:
         with gp.collectives(f"loss of step {step + 1}"):
             dist.all_reduce(loss, group=run.data_group)
@@ -520,8 +518,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         train_command=f"{TRAIN_COMMAND} --out_dir={Path(config.out_dir)}")
     pipe, balance, num_params = nmt_pipeline(config, run, state)
     optimizer = make_optimizer(config, list(pipe.parameters()))
-    use_bf16 = run.device.type == "cuda" and config.bf16
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else nullcontext()
     run.say(describe(config, run, balance, num_params, batches.languages))
     step, tokens_seen, train_seconds = 0, 0, 0.0
     if resume_dir is not None:  # weights, optimizer, data stream, step counters
@@ -564,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
         # forward + backward through the pipeline on this replica's batch of the step's R
         loss, grad_norm, step_tokens = train_step(pipe, run, optimizer, batches, config,
-                                                  autocast, step=step)
+                                                  step=step)
         tokens_seen += step_tokens
         step += 1
         train_seconds = time.monotonic() - loop_start
