@@ -132,7 +132,7 @@ def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
     body = body_nodes(graph)
     programs = []
     for s in range(cutting.num_segments):
-        g = fx.Graph()
+        g = fx.Graph(owning_module=root)
         env: dict[fx.Node, Any] = {}
         device_node = g.placeholder("device_")
         incoming = user_inputs if s == 0 else cutting.crossing[s - 1]
