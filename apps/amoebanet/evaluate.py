@@ -33,6 +33,7 @@ writes the report.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -139,7 +140,7 @@ def write_report(report: dict[str, Any], path: str | Path) -> tuple[Path, Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     json_path, png_path = path.with_suffix(".json"), path.with_suffix(".png")
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    gp.write_atomic(json_path, json.dumps(report, indent=1) + "\n")  # whole or not at all
     confusion = np.array(report["confusion"], dtype=np.int64)
     rates = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)
     classes = report["classes"]
@@ -160,8 +161,10 @@ def write_report(report: dict[str, Any], path: str | Path) -> tuple[Path, Path]:
     ax.set_title(f"{report['split']}: top-1 {100 * report['top1']:.2f}%, "
                  f"top-5 {100 * report['top5']:.2f}% ({report['images']} images)")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    gp.write_atomic(png_path, png.getvalue())
     return json_path, png_path
 
 

@@ -84,6 +84,7 @@ from apps.harness.loop import (
 from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
+from apps.harness.writes import guarded_write
 from data.image_shards import dataset_is_complete
 
 # Models up to this size are balanced by the measured time of each layer on rank 0 (a full
@@ -412,7 +413,8 @@ def final_evaluation(loop: TrainingLoop, evaluation: Evaluation, config: AmoebaN
     report = evaluation(config.eval_split, step)
     if not loop.run.master:
         return None
-    write_report(report, Path(config.out_dir) / f"eval_{config.eval_split}")
+    with guarded_write(config.out_dir, Path(config.out_dir) / f"eval_{config.eval_split}.json"):
+        write_report(report, Path(config.out_dir) / f"eval_{config.eval_split}")
     summary = summarize(config, report, **counters)
     loop.logger.metrics({f"{config.eval_split}/final_top1": report["top1"],
                          f"{config.eval_split}/final_top5": report["top5"]}, step)

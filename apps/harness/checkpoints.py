@@ -46,7 +46,8 @@ class CheckpointError(FileNotFoundError):
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (full disk, quota, ...); the message says which one,
-    which earlier checkpoint is intact, and how to continue."""
+    the free space, which earlier checkpoint is intact, and the command that continues
+    (``apps.harness.writes.failure_message``)."""
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
@@ -133,11 +134,12 @@ def write_checkpoint(
         if rank == 0:
             publish_checkpoint(out_dir, path, keep=keep)
     except OSError as error:  # a full disk, a quota, a lost mount: say what is still there
+        from apps.harness.writes import failure_message
+
         kept = (f"the previous checkpoint {out_dir / previous} is intact and {LATEST} still "
                 "names it" if previous else "there is no earlier checkpoint")
         raise CheckpointWriteError(
-            f"could not write checkpoint {path}: {error}; {kept}; free space (or fix out_dir) "
-            "and continue with --resume"
+            failure_message(out_dir, f"checkpoint {path}", error, intact=(kept, bool(previous)))
         ) from error
     return path
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -14,10 +15,11 @@ import gpipe_core as gp
 from apps.config import ConfigError
 from apps.harness.checkpoints import CheckpointError, CheckpointWriteError
 from apps.harness.guards import DivergenceError, Interrupted
+from apps.harness.writes import RunWriteError
 
 CLEAR_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, CheckpointError, CheckpointWriteError, gp.CheckpointCorruptError,
-    gp.PipelineFailure, DivergenceError,
+    gp.PipelineFailure, DivergenceError, RunWriteError,
 )
 
 
@@ -65,13 +67,15 @@ def _close_progress_bars() -> None:
 def _first_to_say(error: BaseException) -> bool:
     """Rank 0 says its error; another rank only one that rank 0 does not say as well."""
     rank = int(os.environ.get("RANK", "0"))
-    if isinstance(error, gp.PipelineFailure):
-        return True  # each survivor says where it stopped
     text = f"{type(error).__name__}: {error}"
     try:
         store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
     except Exception:  # noqa: BLE001
         store = None
+    if isinstance(error, gp.PipelineFailure):
+        # each survivor says where it stopped, unless it only repeats the error that the
+        # failed rank prints itself (a full disk on rank 0 is one line, not one per rank)
+        return not _said_by_the_failed_rank(store, str(error))
     if store is None:
         return rank == 0  # before the process group: every rank read the same config
     try:
@@ -82,3 +86,20 @@ def _first_to_say(error: BaseException) -> bool:
         return bool(store.get("apps/error/0").decode() != text)
     except Exception:  # noqa: BLE001 - rank 0 said nothing (or no store): say it here
         return True
+
+
+_FAILED_AT = re.compile(r"the run failed at rank (\d+): (.*)", re.DOTALL)
+
+
+def _said_by_the_failed_rank(store: Any, message: str) -> bool:
+    """Whether ``message`` ("rank 1 stops: the run failed at rank 0: <error>") repeats an
+    error that rank 0 prints itself (its ``apps/error/0`` key, set right before it prints)."""
+    found = _FAILED_AT.search(message)
+    if store is None or found is None:
+        return False
+    try:
+        key = f"apps/error/{found.group(1)}"
+        store.wait([key], datetime.timedelta(seconds=2))
+        return bool(store.get(key).decode() == found.group(2))
+    except Exception:  # noqa: BLE001 - it printed nothing (or no store): say it here
+        return False

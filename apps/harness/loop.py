@@ -53,6 +53,7 @@ from apps.harness.out_dir import check_out_dir, lock_out_dir
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run, setup_run
 from apps.harness.run_log import RunLogger
+from apps.harness.writes import guarded_write
 
 # what the stop vote says (TrainingLoop.vote), besides None (go on)
 STOP = "stop"  # rank 0 ends the run (a budget, the clock)
@@ -161,8 +162,9 @@ class TrainingLoop:
         with gp.collectives("start of training"):
             dist.barrier()
         if run.master:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            save_config(config, self.out_dir / "config.yaml")
+            with guarded_write(self.out_dir, self.out_dir / "config.yaml"):
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                save_config(config, self.out_dir / "config.yaml")
         self.logger = RunLogger(config, self.out_dir, resume_step=step, enabled=run.master)
         self.window = Window()
         self.bar: Any = None
@@ -276,8 +278,10 @@ class TrainingLoop:
         return summary
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """``summary.json`` in out_dir (rank 0)."""
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        """``summary.json`` in out_dir (rank 0), atomically."""
+        path = self.out_dir / "summary.json"
+        with guarded_write(self.out_dir, path):
+            gp.write_atomic(path, json.dumps(summary, indent=1) + "\n")
 
     def end(self) -> None:
         """Close the log, wait for rank 0's report, restore the signal handlers, leave the

@@ -1,4 +1,9 @@
-"""Rank 0's record of a run: ``log.jsonl`` (one line per step) and wandb."""
+"""Rank 0's record of a run: ``log.jsonl`` (one line per step) and wandb.
+
+A write that fails (a full disk) stops the run with one line naming the file, the free space,
+the intact checkpoint and the ``--resume`` command (``apps.harness.writes.RunWriteError``), and
+``log.jsonl`` is left ending with a whole record.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import gpipe_core as gp
+from apps.harness.writes import append_record, guarded_write
 
 
 class RunLogger:
@@ -27,17 +33,20 @@ class RunLogger:
         self.run: Any = None
         if not enabled:
             return
-        self.path = out_dir / "log.jsonl"
-        if resume_step and self.path.exists():
-            gp.write_atomic(self.path, "".join(line + "\n" for line in
-                                               self._records_until(resume_step)))
-        elif self.path.exists():
-            self.path.unlink()
-        self.file = self.path.open("a")
+        self.out_dir, self.path = out_dir, out_dir / "log.jsonl"
+        with guarded_write(out_dir, self.path):
+            if resume_step and self.path.exists():
+                gp.write_atomic(self.path, "".join(line + "\n" for line in
+                                                   self._records_until(resume_step)))
+            elif self.path.exists():
+                self.path.unlink()
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         mode: Any = config.wandb_mode
         if mode == "offline" and os.environ.get("WANDB_API_KEY"):
             mode = "online"  # a key means the user wants the run online
         if mode != "disabled":
+            with guarded_write(out_dir, out_dir / "wandb_id"):
+                run_id = wandb_run_id(out_dir)
             try:
                 import wandb
 
@@ -47,7 +56,7 @@ class RunLogger:
                     dir=str(out_dir),
                     mode=mode,
                     resume="allow",
-                    id=wandb_run_id(out_dir),
+                    id=run_id,
                 )
             except Exception as error:  # noqa: BLE001 - logging must not stop training
                 print(f"warning: wandb disabled ({type(error).__name__}: {error})", file=sys.stderr)
@@ -75,10 +84,11 @@ class RunLogger:
         return kept
 
     def step(self, record: dict[str, Any]) -> None:
-        """Append one step's record to log.jsonl."""
+        """Append one step's record to log.jsonl, whole or not at all (a full disk: the
+        RunWriteError says so, and the log ends with the step before)."""
         if self.enabled:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            with guarded_write(self.out_dir, self.path):
+                append_record(self.fd, (json.dumps(record) + "\n").encode(), self.path)
 
     def metrics(self, metrics: dict[str, Any], step: int) -> None:
         """Send metrics to wandb (if on)."""
@@ -87,7 +97,9 @@ class RunLogger:
 
     def close(self) -> None:
         if self.enabled:
-            self.file.close()
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
             if self.run is not None:
                 self.run.finish()
 

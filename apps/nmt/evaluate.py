@@ -23,6 +23,7 @@ Rank 0 prints and writes the report.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -534,8 +535,7 @@ def format_report(report: Report, *, examples: int = 3) -> str:
 
 def write_report(report: Report, path: str | Path) -> None:
     """The report as JSON (non-ASCII text kept readable)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    gp.write_atomic(path, json.dumps(report, indent=1, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,9 +624,10 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
     ax.set_title(f"BLEU per language (bucket means, model vs copy: {means})", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    gp.write_atomic(path, png.getvalue())  # whole or not at all
 
 
 def main(argv: Sequence[str] | None = None) -> int:

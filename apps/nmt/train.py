@@ -46,6 +46,7 @@ from apps.harness.loop import TrainingLoop, every, find_resume, restore, start_r
 from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
+from apps.harness.writes import guarded_write
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import (
     Batch,
@@ -490,7 +491,8 @@ def final_evaluation(loop: TrainingLoop, pipe: gp.DistributedGPipe, config: NMTC
         return None
     assert report is not None
     summary = summarize(report, **counters)
-    write_report(report, Path(config.out_dir) / "dev_bleu.json")
+    with guarded_write(config.out_dir, Path(config.out_dir) / "dev_bleu.json"):
+        write_report(report, Path(config.out_dir) / "dev_bleu.json")
     run.say(format_report(report))
     run.say(f"total wall time {summary['total_minutes']} min")
     loop.logger.metrics({f"dev/final_bleu_{b}": v["bleu"]

@@ -377,8 +377,11 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
                 if line.startswith("error: could not write checkpoint"))
     step4 = out_dir / "step-0000004"
     assert f"could not write checkpoint {step4}: [Errno 27] File too large: '{step4}/" in line
-    assert line.endswith(f"the previous checkpoint {previous} is intact and latest still names "
-                         "it; free space (or fix out_dir) and continue with --resume"), line
+    assert " free on its filesystem); " in line  # the free space, beside the error
+    assert (f"; the previous checkpoint {previous} is intact and latest still names it; free "
+            "space (or fix out_dir) and continue with --resume: `python -m torch.distributed.run "
+            "--standalone --nproc-per-node 2 -m apps.amoebanet.train ") in line, line
+    assert line.endswith(" --max_steps=4 --resume`"), line
     assert (out_dir / "latest").read_text() == "step-0000002\n"
     gp.verify_checkpoint(previous)
     assert "apps/harness/checkpoints.py" not in output and "hangs" not in output, output[-3000:]
