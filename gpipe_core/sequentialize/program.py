@@ -1,9 +1,11 @@
 """One segment's code: the traced operations of one segment as a compiled Python function.
 
-A segment's function is ``forward(self, device_, *incoming, *constants)``: ``incoming`` are the
-values the previous segment sent (for the first segment, the user's input leaves), ``self``
-the segment module whose attributes hold the parameters under their original paths. It
-returns the tuple of values the next segment needs (for the last, the output leaves).
+A segment's function is ``forward(self, device_, *incoming, *constants, *tensors)``:
+``incoming`` are the values the previous segment sent (for the first segment, the user's
+input leaves); ``tensors`` the segment's parameters and buffers, which the segment reads from
+their modules at each call (so they follow ``.to()``, materialization and loading); ``self``
+the segment module, for the layers called as modules (BatchNorm). It returns the tuple of
+values the next segment needs (for the last, the output leaves).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SegmentProgram:
     incoming: list[str]  # names of the values it receives
     outgoing: list[str]  # names of the values it returns
     constants: list[str]  # names of the trace's constant tensors it reads
+    tensors: list[str]  # paths of the parameters and buffers it reads, in the segment
 
 
 def value_bytes(node: fx.Node, batch_size: int) -> int:
@@ -143,9 +146,11 @@ def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
         for node, name in constant_of.items():
             if name in constants:
                 env[node] = g.placeholder(f"const_{node.name}")
+        tensor_paths = []
         for node, path in param_path.items():
             if cutting.segment_of[node] == s and node not in env:
-                env[node] = g.get_attr(path)
+                env[node] = g.placeholder(f"tensor_{node.name}")
+                tensor_paths.append(path)
 
         def lookup(n: fx.Node, s: int = s, env: dict[fx.Node, Any] = env) -> Any:
             if n not in env:
@@ -199,6 +204,7 @@ def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
             fn=namespace["forward"], code=code.src,
             incoming=[n.name for n in incoming], outgoing=outgoing_names,
             constants=[name for name in constant_of.values() if name in constants],
+            tensors=tensor_paths,
         ))
     return programs
 

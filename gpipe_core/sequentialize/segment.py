@@ -124,6 +124,8 @@ class Segment(nn.Module):
         self.input_spec = inputs
         self.output_spec = output_spec
         self._keys: list[str] | None = None
+        # (module, "_parameters" or "_buffers", name) of each tensor a program reads
+        self._slots: dict[bool, list[tuple[nn.Module, str, str]]] = {}
         self._renaming = True
         self.register_state_dict_post_hook(_original_keys)
         self.register_load_state_dict_pre_hook(_drop_aliases)
@@ -139,7 +141,22 @@ class Segment(nn.Module):
                 self._renaming = True
         return self._keys
 
-    def _device(self, values: Any) -> torch.device:
+    def _tensor_slots(self, training: bool) -> list[tuple[nn.Module, str, str]]:
+        """Where each tensor the program reads lives: found once, read at every call (a
+        module's tensors are replaced in place by ``.to()``, ``to_empty`` and loading)."""
+        if training not in self._slots:
+            slots = []
+            for path in self.programs[training].tensors:
+                owner_path, _, name = path.rpartition(".")
+                owner = self.get_submodule(owner_path)
+                kind = "_parameters" if name in owner._parameters else "_buffers"
+                slots.append((owner, kind, name))
+            self._slots[training] = slots
+        return self._slots[training]
+
+    def _device(self, tensors: list[Tensor], values: Any) -> torch.device:
+        if tensors:
+            return tensors[0].device
         for param in self.parameters():
             return param.device
         for buffer in self.buffers():
@@ -166,7 +183,9 @@ class Segment(nn.Module):
 
     def forward(self, inputs: Any) -> Any:
         program = self.programs[self.training]
-        device = self._device(inputs)
+        tensors = [getattr(owner, kind)[name] for owner, kind, name
+                   in self._tensor_slots(self.training)]
+        device = self._device(tensors, inputs)
         if self.index == 0:
             assert self.input_spec is not None
             values = self.input_spec.leaves(inputs, device)
@@ -179,7 +198,7 @@ class Segment(nn.Module):
                     "the segments in order, as the sequential model does"
                 )
         constants = [self._constant(name, device) for name in program.constants]
-        out = program.fn(self, device, *values, *constants)
+        out = program.fn(self, device, *values, *constants, *tensors)
         if self.index == self.num_segments - 1:
             assert self.output_spec is not None
             return _plain(pytree.tree_unflatten(list(out), self.output_spec))
