@@ -135,7 +135,7 @@ def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
     body = body_nodes(graph)
     programs = []
     for s in range(cutting.num_segments):
-        g = fx.Graph(owning_module=root)
+        g = fx.Graph()
         env: dict[fx.Node, Any] = {}
         device_node = g.placeholder("device_")
         incoming = user_inputs if s == 0 else cutting.crossing[s - 1]
@@ -193,7 +193,7 @@ def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
             results = output.args[0]
             g.output(fx.node.map_arg(tuple(results), lookup))
             outgoing_names = [r.name if isinstance(r, fx.Node) else repr(r) for r in results]
-        g.eliminate_dead_code()
+        g.eliminate_dead_code(is_impure_node=_impure)
         g.lint()
         code = g.python_code(root_module="self")
         filename = f"<gp.sequentialize segment {s} ({mode})>"
@@ -207,6 +207,12 @@ def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
             tensors=tensor_paths,
         ))
     return programs
+
+
+def _impure(node: fx.Node) -> bool:
+    """Kept even when unused: a module call (BatchNorm updates its statistics) and what fx
+    itself keeps (in-place and random operations, placeholders, the output)."""
+    return node.op == "call_module" or node.is_impure()
 
 
 def _device(value: Any, trace_device: torch.device, device_node: fx.Node) -> Any:
