@@ -432,3 +432,20 @@ def test_module_called_twice_across_a_cut_is_named() -> None:
     for name, param in model.named_parameters():
         assert torch.allclose(param.grad, expected[name], atol=TOL, rtol=0), name
     assert set(pipe.state_dict()) == set(model.state_dict())
+
+
+def test_tied_weights_at_the_ends() -> None:
+    """tied_weights="ends": the first and the last layer each hold the tied weight under its
+    own name (for DistributedGPipe(tied=seq.tied)); nothing rides between the layers."""
+    model = models.gpt2(0.0).double()
+    batch = {**models.token_batch(), "use_cache": False}
+    seq = gp.sequentialize(model, (), batch, tied_weights="ends")
+    last = len(seq) - 1
+    assert seq.tied == ("seg0.transformer.wte.weight", f"seg{last}.lm_head.weight")
+    assert set(seq.state_dict()) == set(model.state_dict())
+    carried = gp.sequentialize(model, (), batch)
+    assert all(c.bytes < c2.bytes for c, c2 in zip(seq.cuts, carried.cuts, strict=True))
+    out = seq(seq.inputs(**batch))["logits"]
+    assert torch.equal(out, model(**batch).logits)
+    with pytest.raises(ValueError, match="shared with"):
+        gp.GPipe(seq, [3, 3])  # one process: GPipe keeps a shared weight in one partition

@@ -66,10 +66,13 @@ class Sequentialized(nn.Sequential):
     named ``seg0``, ``seg1``, ...; ``state_dict()`` keys are the original module's."""
 
     def __init__(self, segments: Sequence[Segment], cuts: Sequence[Cut],
-                 input_spec: InputSpec) -> None:
+                 input_spec: InputSpec, tied: tuple[str, str] | None = None) -> None:
         super().__init__(OrderedDict((segment.layer_name, segment) for segment in segments))
         self.cuts = list(cuts)
         self.input_spec = input_spec
+        # with tied_weights="ends": (first layer's name, last layer's name) of the shared
+        # weight, for DistributedGPipe(..., tied=seq.tied); else None
+        self.tied = tied
 
     def inputs(self, *args: Any, **kwargs: Any) -> Any:
         """What to give the pipeline (``pipe(seq.inputs(...))``, ``pipe.step(seq.inputs(...),
@@ -101,6 +104,7 @@ def sequentialize(
     *,
     split_points: Sequence[str] | None = None,
     parts: int | None = None,
+    tied_weights: str = "carry",
 ) -> Sequentialized:
     """``module`` as an ``nn.Sequential`` of segments that computes what ``module`` does.
 
@@ -116,11 +120,21 @@ def sequentialize(
             Default: before every block of the outermost repeated containers
             (``nn.ModuleList`` / ``nn.Sequential``) and after each such container.
         parts: merge the segments into this many layers, balanced by parameters.
+        tied_weights: a tensor two modules share (GPT-2's ``wte`` and ``lm_head``) used in
+            several layers. ``"carry"`` (default): the first layer using it holds it and sends
+            it on with the activations, its gradient comes back the same way; works with
+            GPipe and DistributedGPipe, any balance and schedule, at the cost of sending the
+            weight across every cut per micro-batch. ``"ends"``: the first and the last layer
+            each hold it under their own name, for ``DistributedGPipe(..., tied=seq.tied)``,
+            which keeps the two copies equal and sums their gradients once per step (GPipe
+            refuses a weight shared by two partitions).
 
     Raises :class:`SequentializeError` for what cannot be cut (data-dependent control flow,
     an in-place update of a value that crosses a cut, a module called again in another
     segment), naming the node, the module path and the fix.
     """
+    if tied_weights not in ("carry", "ends"):
+        raise ValueError(f"tied_weights={tied_weights!r} must be 'carry' or 'ends'")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
     install_naming_hooks()
@@ -169,12 +183,35 @@ def sequentialize(
         owners = table.owners(_used(train, cutting))
     cutting = cut_graph(train.graph, [p for _, p in kept], owners, train.param_key)
     num_segments = cutting.num_segments
+    ghosts = set(table.aliases)
+    tied: tuple[str, str] | None = None
+    ends: dict[bool, dict[fx.Node, dict[int, str]]] = {True: {}, False: {}}
+    if tied_weights == "ends":
+        paths = _tied_at_ends(train, cutting, table)
+        if paths:
+            (canonical, by_segment), = paths.items()
+            for path in by_segment.values():
+                ghosts.discard(path)
+            owners = {**{p: s for p, s in owners.items() if p != canonical},
+                      **{path: s for s, path in by_segment.items()}}
+            tied = (f"seg0.{by_segment[0]}", f"seg{num_segments - 1}."
+                    f"{by_segment[num_segments - 1]}")
+            for mode, traced in ((True, train), (False, None)):
+                if traced is not None:
+                    node = next(n for n, p in traced.param_key.items() if p == canonical)
+                    ends[mode][node] = by_segment
+            cutting = cut_graph(train.graph, [p for _, p in kept], owners, train.param_key,
+                                local=ends[True])
     labels = [_label(train.body)] + [point[1] if point[0] == "before" else f"after {point[1]}"
                                          for point, _ in kept]
     names = [f"seg{i}" for i in range(num_segments)]
     _check_calls(train, cutting, labels)
     check_in_place(train.graph, cutting, labels)
     evaluation = _Traced(programs[False], table)
+    for node, path in evaluation.param_key.items():
+        for tied_node, by_segment in ends[True].items():
+            if train.param_key[tied_node] == path:
+                ends[False][node] = by_segment
     eval_positions = cut_positions(evaluation.body, [point for point, _ in kept], strict=False)
     if any(p is None for p in eval_positions) or eval_positions != sorted(eval_positions):  # type: ignore[type-var]
         raise SequentializeError(
@@ -183,19 +220,21 @@ def sequentialize(
             "choose split_points at modules that run in both modes"
         )
     eval_cutting = cut_graph(evaluation.graph, [p for p in eval_positions if p is not None],
-                             owners, evaluation.param_key)
+                             owners, evaluation.param_key, local=ends[False])
     check_in_place(evaluation.graph, eval_cutting, labels)
     compiled = {
         mode: build_programs(traced.graph, cut, root=module, param_path=traced.param_key,
                              constant_of=traced.constant_of, user_inputs=traced.user_inputs,
-                             trace_device=trace_device, mode="training" if mode else "eval")
+                             trace_device=trace_device, mode="training" if mode else "eval",
+                             ends=ends[mode])
         for mode, traced, cut in ((True, train, cutting), (False, evaluation, eval_cutting))
     }
     input_spec = InputSpec(args, kwargs, _in_spec(args, kwargs))
     segments = []
     for s in range(num_segments):
         aliases = {alias: canonical for alias, canonical in table.aliases.items()
-                   if owners.get(canonical) == s and table.persistent.get(alias, True)}
+                   if alias in ghosts and owners.get(canonical) == s
+                   and table.persistent.get(alias, True)}
         constants = {**train.constants, **evaluation.constants}
         segment = Segment(
             index=s, num_segments=num_segments, name=names[s], label=labels[s],
@@ -204,14 +243,51 @@ def sequentialize(
             inputs=input_spec if s == 0 else None,
             output_spec=train.out_spec if s == num_segments - 1 else None,
         )
-        build_tree(segment, module, "", table, owners, s)
+        build_tree(segment, module, "", ghosts, owners, s)
         segment.train(module.training)
         segments.append(segment)
     cuts = [Cut(after=s, values=tuple(n.name for n in cutting.crossing[s]),
                 bytes=sum(value_bytes(n, batch_size) for n in cutting.crossing[s]),
                 batch_size=batch_size)
             for s in range(num_segments - 1)]
-    return Sequentialized(segments, cuts, input_spec)
+    return Sequentialized(segments, cuts, input_spec, tied)
+
+
+def _tied_at_ends(traced: _Traced, cutting: Cutting, table: TensorTable
+                  ) -> dict[str, dict[int, str]]:
+    """For ``tied_weights="ends"``: the tensor shared by a module of the first layer and one
+    of the last, and the name each layer holds it under (canonical path -> {segment: path})."""
+    last = cutting.num_segments - 1
+    result: dict[str, dict[int, str]] = {}
+    for node, canonical in traced.param_key.items():
+        names = [canonical] + [a for a, c in table.aliases.items() if c == canonical]
+        segments = sorted({cutting.segment_of[u] for u in node.users if u in cutting.segment_of})
+        if len(names) < 2 or len(segments) < 2:
+            continue
+        if segments != [0, last]:
+            raise SequentializeError(
+                f"tied_weights='ends': the tensor {names} is used in layers {segments}, but "
+                f"DistributedGPipe ties a weight between the first and the last layer (0 and "
+                f"{last}) only; use tied_weights='carry'"
+            )
+        by_segment: dict[int, str] = {}
+        for segment in (0, last):
+            called = {path for u in node.users if cutting.segment_of.get(u) == segment
+                      for _, path in module_paths(u)}
+            owned = [n for n in names if n.rpartition(".")[0] in called]
+            if not owned:
+                raise SequentializeError(
+                    f"tied_weights='ends': no module holding {names} runs in layer {segment}; "
+                    "use tied_weights='carry'"
+                )
+            by_segment[segment] = owned[0]
+        result[canonical] = by_segment
+    if len(result) > 1:
+        raise SequentializeError(
+            f"tied_weights='ends': {len(result)} tied tensors ({sorted(result)}); "
+            "DistributedGPipe ties one; use tied_weights='carry'"
+        )
+    return result
 
 
 class _Traced:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -115,11 +115,13 @@ def cut_positions(body: Sequence[fx.Node], points: Sequence[SplitPoint], *,
 
 
 def cut_graph(graph: fx.Graph, positions: Sequence[int], owners: dict[str, int] | None,
-              param_of: dict[fx.Node, str]) -> Cutting:
+              param_of: dict[fx.Node, str], local: Collection[fx.Node] = ()) -> Cutting:
     """Assign nodes to segments cut at ``positions`` (sorted indices into the body).
 
     ``param_of`` maps the placeholders of parameters and buffers to a key of the tensor;
     ``owners`` (key -> segment) fixes their segment, else the first segment using them.
+    ``local``: placeholders every segment using them reads itself (a weight tied across the
+    ends, held by the first and the last layer), never sent.
     """
     body = body_nodes(graph)
     num_segments = len(positions) + 1
@@ -154,8 +156,9 @@ def cut_graph(graph: fx.Graph, positions: Sequence[int], owners: dict[str, int] 
             last_use[node] = max(uses)
     crossing: list[list[fx.Node]] = [[] for _ in range(num_segments - 1)]
     for node, use in last_use.items():
-        if node.op == "placeholder" and node.meta.get("sequentialize_constant"):
-            continue  # each segment reads a constant itself
+        if node.op == "placeholder" and (node.meta.get("sequentialize_constant")
+                                         or node in local):
+            continue  # each segment reads it itself
         for s in range(segment_of[node], use):
             crossing[s].append(node)
     return Cutting(num_segments, segment_of, crossing)

@@ -123,14 +123,17 @@ def _is_batchnorm_call(node: fx.Node, root: nn.Module) -> _BatchNorm | None:
 def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
                    param_path: dict[fx.Node, str], constant_of: dict[fx.Node, str],
                    user_inputs: list[fx.Node], trace_device: torch.device,
-                   mode: str) -> list[SegmentProgram]:
+                   mode: str, ends: dict[fx.Node, dict[int, str]] | None = None
+                   ) -> list[SegmentProgram]:
     """Each segment's graph copied out of ``graph`` and compiled.
 
     BatchNorm layers become calls of the module itself (``call_module``), so their running
     statistics follow the module's mode, GPipe's re-materialization (which switches the
     update off) and DeferredBatchNorm. Device literals of the trace become the device the
-    segment runs on.
+    segment runs on. ``ends``: placeholders of weights tied across the ends, read by each
+    segment that uses them at its own path (segment -> path).
     """
+    ends = ends or {}
     output = next(n for n in graph.nodes if n.op == "output")
     body = body_nodes(graph)
     programs = []
@@ -148,7 +151,11 @@ def build_programs(graph: fx.Graph, cutting: Cutting, *, root: nn.Module,
                 env[node] = g.placeholder(f"const_{node.name}")
         tensor_paths = []
         for node, path in param_path.items():
-            if cutting.segment_of[node] == s and node not in env:
+            if node in ends:
+                if s in ends[node] and any(cutting.segment_of.get(u) == s for u in node.users):
+                    env[node] = g.placeholder(f"tensor_{node.name}")
+                    tensor_paths.append(ends[node][s])
+            elif cutting.segment_of[node] == s and node not in env:
                 env[node] = g.placeholder(f"tensor_{node.name}")
                 tensor_paths.append(path)
 

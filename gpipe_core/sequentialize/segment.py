@@ -13,7 +13,7 @@ is written by the state dict as an alias of the first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -72,22 +72,23 @@ class TensorTable:
         return result
 
 
-def build_tree(shell: nn.Module, module: nn.Module, path: str, table: TensorTable,
+def build_tree(shell: nn.Module, module: nn.Module, path: str, ghosts: Collection[str],
                owners: dict[str, int], segment: int) -> None:
     """Give ``shell`` (the segment, then its empty sub-modules) what ``segment`` owns of
-    ``module``: whole sub-modules where every tensor is the segment's and no alias is inside,
-    else an empty module at the same path holding the segment's tensors one by one."""
+    ``module``: whole sub-modules where every tensor is the segment's and no second name of
+    a shared tensor (``ghosts``) is inside, else an empty module at the same path holding the
+    segment's tensors one by one. ``owners``: path -> segment, for every path registered."""
     for name, child in module.named_children():
         child_path = f"{path}.{name}" if path else name
         inside = [p for p in owners if p.startswith(child_path + ".")]
         segments = {owners[p] for p in inside}
-        aliased = any(a.startswith(child_path + ".") for a in table.aliases)
+        aliased = any(a.startswith(child_path + ".") for a in ghosts)
         if segments == {segment} and not aliased:
             shell.add_module(name, child)
         elif segment in segments:
             sub = nn.Module()
             shell.add_module(name, sub)
-            build_tree(sub, child, child_path, table, owners, segment)
+            build_tree(sub, child, child_path, ghosts, owners, segment)
     for name, param in module._parameters.items():
         full = f"{path}.{name}" if path else name
         if param is not None and owners.get(full) == segment:
@@ -95,7 +96,8 @@ def build_tree(shell: nn.Module, module: nn.Module, path: str, table: TensorTabl
     for name, buffer in module._buffers.items():
         full = f"{path}.{name}" if path else name
         if buffer is not None and owners.get(full) == segment:
-            shell.register_buffer(name, buffer, persistent=table.persistent[full])
+            shell.register_buffer(name, buffer,
+                                  persistent=name not in module._non_persistent_buffers_set)
 
 
 class Segment(nn.Module):
