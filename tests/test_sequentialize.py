@@ -449,3 +449,31 @@ def test_tied_weights_at_the_ends() -> None:
     assert torch.equal(out, model(**batch).logits)
     with pytest.raises(ValueError, match="shared with"):
         gp.GPipe(seq, [3, 3])  # one process: GPipe keeps a shared weight in one partition
+
+
+def test_other_sizes_than_the_batch_are_fixed_by_the_trace() -> None:
+    case = _case("gpt2")
+    longer = {k: torch.cat([v, v], dim=1) if isinstance(v, Tensor) else v
+              for k, v in case.kwargs.items()}
+    with pytest.raises(ValueError, match=r"traced with \(None, 16\)"):
+        case.seq(case.seq.inputs(**longer))
+    smaller = {k: v[:5] if isinstance(v, Tensor) else v for k, v in case.kwargs.items()}
+    case.seq(case.seq.inputs(**smaller))  # the batch may vary
+
+
+def test_deferred_batch_norm() -> None:
+    """GPipe(deferred_batch_norm=True) replaces the BatchNorm modules inside the segments;
+    the traced program calls whatever module is there."""
+    model = torchvision.models.resnet18(weights=None, num_classes=10).double()
+    x = torch.randn(8, 3, 32, 32, dtype=torch.float64)
+    seq = gp.sequentialize(model, (x,), split_points=["layer2", "layer4"])
+    pipe = gp.GPipe(seq, [1, 1, 1], chunks=4, deferred_batch_norm=True)
+    pipe(x).sum().backward()
+    bn = pipe.seg0.bn1
+    assert isinstance(bn, gp.DeferredBatchNorm) and int(bn.num_batches_tracked) == 1
+    reference = torchvision.models.resnet18(weights=None, num_classes=10).double()
+    reference.load_state_dict(model.state_dict())
+    reference.bn1.reset_running_stats()
+    reference(x)  # the whole mini-batch's statistics, as DeferredBatchNorm accumulates them
+    torch.testing.assert_close(bn.running_mean, reference.bn1.running_mean, rtol=0, atol=TOL)
+    torch.testing.assert_close(bn.running_var, reference.bn1.running_var, rtol=0, atol=TOL)

@@ -243,6 +243,11 @@ class InputSpec:
         self.constant_leaves = {i: leaf for i, leaf in enumerate(leaves)
                                 if not isinstance(leaf, Tensor | Shared)}
         self.shared = {i for i, leaf in enumerate(leaves) if isinstance(leaf, Shared)}
+        # the traced shape of every tensor leaf; dim 0 of a batched one is free (None)
+        self.shapes = {
+            i: ((leaf.value.shape if isinstance(leaf, Shared) else
+                 (None, *leaf.shape[1:]) if leaf.dim() > 0 else leaf.shape), leaf_dtype(leaf))
+            for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor | Shared)}
 
     def pack(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The object to give the pipeline for a call ``model(*args, **kwargs)``."""
@@ -293,6 +298,19 @@ class InputSpec:
                 "like the example given to gp.sequentialize"
             )
         out = []
+        for i, (shape, dtype) in self.shapes.items():
+            tensor = leaves[i].value if isinstance(leaves[i], Shared) else leaves[i]
+            if not isinstance(tensor, Tensor):
+                raise TypeError(f"input leaf {i} is {type(tensor).__name__}, but the example's "
+                                "was a tensor")
+            got = (None, *tensor.shape[1:]) if shape and shape[0] is None else tensor.shape
+            if tuple(got) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(
+                    f"input leaf {i} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
+                    f"but the model was traced with {tuple(shape)} and {dtype} (None: the "
+                    "batch, which may vary); every other size is fixed by the trace: call "
+                    "gp.sequentialize again with an example of this shape"
+                )
         for i, leaf in enumerate(leaves):
             if i in self.shared:
                 if not isinstance(leaf, Shared):
@@ -313,6 +331,10 @@ class InputSpec:
                     raise TypeError(f"input leaf {i} is gp.Shared, but the example's was not")
                 out.append(leaf)
         return out
+
+
+def leaf_dtype(leaf: Tensor | Shared) -> torch.dtype:
+    return leaf.value.dtype if isinstance(leaf, Shared) else leaf.dtype
 
 
 def _has_tensor(value: Any) -> bool:
