@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from tests import sequentialize_models as models
 
 pytest.importorskip("transformers")
 
+ROOT_DIR = Path(__file__).resolve().parents[1]
 TOL = 1e-10
 STAGES = (1, 2, 3, 4)
 MICROBATCHES = (1, 3, 8)
@@ -477,3 +479,28 @@ def test_deferred_batch_norm() -> None:
     reference(x)  # the whole mini-batch's statistics, as DeferredBatchNorm accumulates them
     torch.testing.assert_close(bn.running_mean, reference.bn1.running_mean, rtol=0, atol=TOL)
     torch.testing.assert_close(bn.running_var, reference.bn1.running_var, rtol=0, atol=TOL)
+
+
+def test_docs_page_runs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/SEQUENTIALIZE.md's example runs, asserts included (so it cannot go stale)."""
+    from tests.test_docs import ROOT, load_page
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    page = load_page(ROOT / "docs" / "SEQUENTIALIZE.md", tmp_path, "sequentialize_page")
+    assert len(page.seq) == 6
+
+
+def test_benchmark_script_runs(tmp_path: Any) -> None:
+    """scripts/bench_sequentialize.py on a tiny model: the two models agree, a JSON is written."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "scripts.bench_sequentialize", "--tiny", "--rounds",
+                    "2", "--warmup", "1", "--json", str(out)], check=True, cwd=ROOT_DIR,
+                   capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert len(result["rounds"]) == 2 and result["median_ratio"] > 0
+    assert result["max_output_difference"] <= 1e-5 and "load_average_after" in result[
+        "provenance"]
