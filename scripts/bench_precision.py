@@ -19,6 +19,14 @@ many paired rounds bf16 won. Writes every round's samples with ``scripts.harness
 ``docs/reproduction/precision.json``).
 
     python scripts/bench_precision.py [--rounds 15 --app-rounds 8 --apps nmt_app amoebanet_app]
+
+``--quality FP32_RUN BF16_RUN`` instead compares two finished training runs of one app at the
+same steps (their ``summary.json``: dev loss and BLEU per bucket, or top-1; tokens or images per
+second) and writes ``docs/reproduction/precision_quality.json`` (``--json`` to change):
+
+    make train-nmt ARGS="--train_steps=400 --precision=fp32 --out_dir=runs/q_fp32"
+    make train-nmt ARGS="--train_steps=400 --precision=bf16 --out_dir=runs/q_bf16"
+    python scripts/bench_precision.py --quality runs/q_fp32 runs/q_bf16
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -157,14 +166,50 @@ def _amoeba_config() -> Any:
     return _app_amoeba_config()
 
 
+QUALITY_KEYS = ("steps", "tokens", "dev_loss", "dev", "top1", "top5", "tokens_per_second",
+                "images_per_second", "train_minutes")
+
+
+def quality(fp32_run: Path, bf16_run: Path) -> dict[str, Any]:
+    """Two runs' summaries side by side; refuses runs of different lengths or settings other
+    than the precision."""
+    import yaml
+
+    summaries, configs = {}, {}
+    for precision, run in (("fp32", fp32_run), ("bf16", bf16_run)):
+        summary = json.loads((run / "summary.json").read_text())
+        summaries[precision] = {k: summary[k] for k in QUALITY_KEYS if k in summary}
+        configs[precision] = yaml.safe_load((run / "config.yaml").read_text())
+        if configs[precision].get("precision") != precision:
+            raise SystemExit(f"{run} trained with precision={configs[precision].get('precision')}"
+                             f", not {precision}")
+    differ = sorted(k for k in configs["fp32"] if k not in ("precision", "out_dir")
+                    and configs["fp32"][k] != configs["bf16"].get(k))
+    if differ or summaries["fp32"]["steps"] != summaries["bf16"]["steps"]:
+        raise SystemExit(f"the runs differ in more than their precision: {differ} (steps "
+                         f"{summaries['fp32']['steps']} and {summaries['bf16']['steps']})")
+    return {"runs": {"fp32": str(fp32_run), "bf16": str(bf16_run)}, "summaries": summaries,
+            "config": configs["fp32"] | {"precision": None}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="paired rounds per micro row")
     parser.add_argument("--app-rounds", type=int, default=8, help="paired rounds per app")
     parser.add_argument("--apps", nargs="*", default=["nmt_app", "amoebanet_app"])
-    parser.add_argument("--json", default="docs/reproduction/precision.json")
+    parser.add_argument("--json", default=None, help="default: docs/reproduction/precision.json "
+                        "(precision_quality.json with --quality)")
+    parser.add_argument("--quality", nargs=2, type=Path, metavar=("FP32_RUN", "BF16_RUN"))
     add_draft_argument(parser)
     args = parser.parse_args()
+    args.json = args.json or ("docs/reproduction/precision_quality.json" if args.quality
+                              else "docs/reproduction/precision.json")
+    if args.quality:
+        set_draft(args.draft)
+        report = {"provenance": provenance(), **quality(*args.quality)}
+        write_json(args.json, report)
+        print(json.dumps(report["summaries"], indent=1))
+        return
     if args.rounds < 1 or args.app_rounds < 1:
         parser.error(f"--rounds {args.rounds} and --app-rounds {args.app_rounds} must be >= 1")
     set_draft(args.draft)
