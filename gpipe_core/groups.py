@@ -126,11 +126,25 @@ def group_timeout_s(group: Any = None) -> float:
     It is the bound the group was created with (``init_process_groups(timeout_s=...)``,
     ``dist.init_process_group(timeout=...)`` or ``dist.new_group(timeout=...)``), read back from
     the process group itself so that callers never keep a second copy of it.
+
+    torch has no public reader for it: this reads ``ProcessGroup._get_backend(device)
+    .options._timeout``. Where that is missing (another torch, another backend) it raises
+    rather than guess: torch's default (30 minutes with gloo) would silently stretch every
+    bound the pipeline promises. ``tests/test_groups.py`` holds the reading against torch.
     """
     pg: Any = group if group is not None else dist.group.WORLD
-    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    backend = dist.get_backend(group)
+    device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+    return _backend_timeout_s(pg, device, backend)
+
+
+def _backend_timeout_s(pg: Any, device: torch.device, backend: str) -> float:
     try:
         timeout = pg._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):  # an unusual backend: torch's default for it
-        timeout = dist.distributed_c10d._get_default_timeout(dist.get_backend(group))
+    except (AttributeError, RuntimeError) as error:
+        raise RuntimeError(
+            f"cannot read the timeout of a {backend!r} process group from torch "
+            f"{torch.__version__} (ProcessGroup._get_backend({device.type!r}).options._timeout: "
+            f"{error}); pass the bound explicitly (DistributedGPipe(..., timeout_s=...)) and "
+            "update gpipe_core.groups.group_timeout_s to this torch") from error
     return float(timeout.total_seconds())

@@ -1,4 +1,4 @@
-"""Walking a stage's action list over a transport: the one place that knows both.
+"""Walking a stage's action list over a transport: the one place that runs a scheduled action.
 
 For every action of the schedule the runtime fetches what the stage needs (the user's
 micro-batch on the first stage, a neighbour's message elsewhere), runs the stage, and hands the
