@@ -145,15 +145,15 @@ class Translator(nn.Module):
     decoder layer; returns (logits, encoder output).
 
     Source and target embeddings are separate modules whose weights are tied (a shared
-    vocabulary, as in apps/nmt); ``one_embedding`` instead calls one module twice, once in
-    the encoder's segment and once in the decoder's, which sequentialize refuses.
+    vocabulary, as in apps/nmt): the weight is used in the encoder's first layer and again in
+    the decoder's.
     """
 
     def __init__(self, *, vocab: int = 37, width: int = 32, heads: int = 4, layers: int = 2,
-                 p: float = 0.0, one_embedding: bool = False) -> None:
+                 p: float = 0.0) -> None:
         super().__init__()
         self.source_embed = nn.Embedding(vocab, width)
-        self.target_embed = self.source_embed if one_embedding else nn.Embedding(vocab, width)
+        self.target_embed = nn.Embedding(vocab, width)
         self.target_embed.weight = self.source_embed.weight
         self.source_position = nn.Embedding(64, width)
         self.target_position = nn.Embedding(64, width)

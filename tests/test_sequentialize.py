@@ -297,6 +297,7 @@ def test_cut_report_counts_the_tensors_sent() -> None:
     assert "sends" in case.seq.describe()
 
 
+@pytest.mark.slow
 def test_split_points_and_parts() -> None:
     model = models.gpt2(0.0, layers=4).double()
     batch = {**models.token_batch(), "use_cache": False}
@@ -439,13 +440,12 @@ def test_module_called_twice_across_a_cut_is_named() -> None:
 def test_tied_weights_at_the_ends() -> None:
     """tied_weights="ends": the first and the last layer each hold the tied weight under its
     own name (for DistributedGPipe(tied=seq.tied)); nothing rides between the layers."""
-    model = models.gpt2(0.0).double()
-    batch = {**models.token_batch(), "use_cache": False}
+    case = _case("gpt2")
+    model, batch, carried = case.model, case.kwargs, case.seq
     seq = gp.sequentialize(model, (), batch, tied_weights="ends")
     last = len(seq) - 1
     assert seq.tied == ("seg0.transformer.wte.weight", f"seg{last}.lm_head.weight")
     assert set(seq.state_dict()) == set(model.state_dict())
-    carried = gp.sequentialize(model, (), batch)
     assert all(c.bytes < c2.bytes for c, c2 in zip(seq.cuts, carried.cuts, strict=True))
     out = seq(seq.inputs(**batch))["logits"]
     assert torch.equal(out, model(**batch).logits)
@@ -490,6 +490,7 @@ def test_docs_page_runs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(page.seq) == 6
 
 
+@pytest.mark.slow
 def test_benchmark_script_runs(tmp_path: Any) -> None:
     """scripts/bench_sequentialize.py on a tiny model: the two models agree, a JSON is written."""
     import json
