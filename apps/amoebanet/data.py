@@ -1,26 +1,37 @@
 """Seeded train/eval loaders over image shards: stream, check, decode, augment, batch.
 
-The shard format (``dataset.json``, ``<split>-NNNNNN.tar`` of ``.png``/``.jpg`` + ``.cls``
-members) and its writer live in ``data/image_shards.py``; the preparers in ``data/`` write it.
-A shard whose size or sample count differs from dataset.json, or that tarfile or PIL cannot
-read, raises ``CorruptShardError`` naming it (or is skipped with a warning when
-``skip_corrupt_shards`` is set). ``dataset="shards"`` also accepts a folder of
-``<split>-*.tar`` without dataset.json (then nothing is checked beyond readability). The
-loaders stream with webdataset, decode with PIL, transform with timm's ``create_transform`` and
-batch inside the workers.
+The shard format (``dataset.json``, ``<split>-NNNNNN.tar`` of ``.png``/``.jpg`` or ``.npy`` +
+``.cls`` members) and its writer live in ``data/image_shards.py``; the preparers in ``data/``
+write it. A shard whose size or sample count differs from dataset.json, or that tarfile, PIL or
+the ``.npy`` reader cannot read, raises ``CorruptShardError`` naming it (or is skipped with a
+warning when ``skip_corrupt_shards`` is set). ``dataset="shards"`` also accepts a folder of
+``<split>-*.tar`` without dataset.json (then nothing is checked beyond readability). The loaders
+stream with webdataset and batch inside the workers, in one of two ways:
+
+    encoded (.png/.jpg)  per image: PIL decode -> timm create_transform   -> batch   -> mixup
+    decoded (.npy)       per image: view the uint8 array -> batch -> BatchTransform -> mixup
+
+``BatchTransform`` is the same recipe as timm's transforms (random resized crop with timm's
+crop sampling, horizontal flip, colour jitter; eval: resize and centre crop; normalisation) as
+torch ops on the whole uint8 batch: a 28x28 image costs ~0.05 ms of CPU instead of ~0.5 ms
+(``scripts/bench_amoebanet_input.py``). It has no auto-augment (timm's runs on PIL images): a
+config asking for it on decoded shards is refused with the fix.
 
 Determinism: the shard order, the shuffle buffer and mixup draw from RNGs seeded by
 ``(config.seed, epoch, worker)``, and worker seeds (timm's random crops and flips) come from a
-DataLoader generator seeded the same way. Two processes that build the same loader see the same
-batches in the same order, which a pipeline needs (inputs are read on the first stage, targets on
-the last). With ``num_workers=0`` the order and the mixup targets are still seeded, but the
-random crops and flips draw from the calling process' global RNGs.
+DataLoader generator seeded the same way; ``BatchTransform`` draws from a torch generator
+seeded by ``(config.seed, epoch, dp_rank, worker)``, in any process. Two processes that build
+the same loader see the same batches in the same order, which a pipeline needs (inputs are read
+on the first stage, targets on the last). With ``num_workers=0`` the order and the mixup targets
+are still seeded, but timm's random crops and flips (encoded shards) draw from the calling
+process' global RNGs.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import random
 import tarfile
 import warnings
@@ -32,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import webdataset as wds
 from PIL import Image
 from timm.data import Mixup, create_transform
@@ -39,7 +51,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader, get_worker_info
 
 from apps.amoebanet.config import AmoebaNetConfig, soft_targets
-from data.image_shards import DATASET_JSON, IMAGE_EXTENSIONS, LABEL_EXTENSION, shard_glob
+from data.image_shards import (
+    DATASET_JSON,
+    DECODED_EXTENSION,
+    IMAGE_EXTENSIONS,
+    LABEL_EXTENSION,
+    decode_npy,
+    shard_glob,
+)
 
 Batch = tuple[Tensor, Tensor]  # images [B, C, H, W] float32; targets [B] int64 or [B, classes]
 
@@ -172,6 +191,20 @@ class ShardErrorHandler:
         raise CorruptShardError(f"{message}; {_fix_hint()}") from exn
 
 
+def _corrupt_sample(sample: dict[str, Any], exn: Exception, skip: bool) -> None:
+    """Warn that a sample cannot be read (``skip``), else raise CorruptShardError naming it."""
+    shard = sample.get("__url__", "<unknown shard>")
+    message = (f"corrupt sample {sample.get('__key__')!r} in shard {shard}: "
+               f"{type(exn).__name__}: {exn} "
+               f"(members: {sorted(k for k in sample if not k.startswith('__'))})")
+    if skip:
+        warnings.warn(f"{message}; skipping it (skip_corrupt_shards=true)", stacklevel=3)
+        return
+    raise CorruptShardError(
+        f"{message}; rebuild the dataset or set --skip_corrupt_shards=true"
+    ) from exn
+
+
 class DecodeSample:
     """Shard sample dict -> (transformed image tensor, label); picklable for DataLoader workers."""
 
@@ -181,8 +214,6 @@ class DecodeSample:
         self.skip = skip
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Tensor, int] | None:
-        shard = sample.get("__url__", "<unknown shard>")
-        key = sample.get("__key__")
         try:
             ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
             if ext is None:
@@ -191,15 +222,28 @@ class DecodeSample:
                 pixels = image.convert(self.mode)
             label = int(sample[LABEL_EXTENSION])
         except Exception as exn:  # noqa: BLE001 - any decode failure is reported the same way
-            message = (f"corrupt sample {key!r} in shard {shard}: {type(exn).__name__}: {exn} "
-                       f"(members: {sorted(k for k in sample if not k.startswith('__'))})")
-            if self.skip:
-                warnings.warn(f"{message}; skipping it (skip_corrupt_shards=true)", stacklevel=2)
-                return None
-            raise CorruptShardError(
-                f"{message}; rebuild the dataset or set --skip_corrupt_shards=true"
-            ) from exn
+            _corrupt_sample(sample, exn, self.skip)
+            return None
         return self.transform(pixels), label
+
+
+class DecodeArray:
+    """Decoded shards' sample dict -> (uint8 HxWxC array, label); picklable, no copy."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip = skip
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[np.ndarray, int] | None:
+        try:
+            if DECODED_EXTENSION not in sample:
+                raise ValueError(f"no decoded image member (.{DECODED_EXTENSION}) in a split "
+                                 f"of decoded images")
+            pixels = decode_npy(sample[DECODED_EXTENSION])
+            label = int(sample[LABEL_EXTENSION])
+        except Exception as exn:  # noqa: BLE001 - any decode failure is reported the same way
+            _corrupt_sample(sample, exn, self.skip)
+            return None
+        return pixels, label
 
 
 def _fix_hint() -> str:
@@ -273,6 +317,17 @@ def _collate(samples: Sequence[tuple[Tensor, int]]) -> Batch:
     return torch.stack(images), torch.tensor(labels, dtype=torch.int64)
 
 
+def _collate_arrays(samples: Sequence[tuple[np.ndarray, int]]) -> Batch:
+    """uint8 ``[B, H, W, C]`` images (one copy, into the batch) and int64 labels."""
+    images, labels = zip(*samples, strict=True)
+    shapes = {image.shape for image in images}
+    if len(shapes) > 1:
+        raise ValueError(f"decoded images of one batch have shapes {sorted(shapes)}: a split of "
+                         f"decoded (.npy) images needs one shape; store images of varying "
+                         f"sizes encoded (.png/.jpg)")
+    return torch.from_numpy(np.stack(images)), torch.tensor(labels, dtype=torch.int64)
+
+
 def _worker_index() -> int:
     info = get_worker_info()
     return 0 if info is None else info.id
@@ -325,6 +380,257 @@ def build_mixup(config: AmoebaNetConfig) -> Mixup | None:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Decoded shards: timm's recipe as torch ops on whole batches
+
+CROP_RATIO = (3 / 4, 4 / 3)  # timm's (and torchvision's) RandomResizedCrop aspect-ratio range
+CROP_ATTEMPTS = 10  # timm's tries before falling back to a centre crop
+
+
+def sample_crop_boxes(
+    batch: int, height: int, width: int, *, scale: tuple[float, float],
+    ratio: tuple[float, float] = CROP_RATIO, generator: torch.Generator | None = None,
+) -> Tensor:
+    """Random-resized-crop boxes ``[B, 4]`` (top, left, height, width), int64.
+
+    timm's ``RandomResizedCropAndInterpolation.get_params`` for every image at once: up to 10
+    draws of an area fraction in ``scale`` and a log-uniform aspect ratio in ``ratio``; the
+    first draw that fits is placed uniformly; none fits: the centre crop with the aspect ratio
+    clamped into ``ratio``.
+    """
+    area = height * width
+    draws = torch.rand(batch, CROP_ATTEMPTS, 2, generator=generator, dtype=torch.float64)
+    target_area = area * (scale[0] + (scale[1] - scale[0]) * draws[..., 0])
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(log_lo + (log_hi - log_lo) * draws[..., 1])
+    widths = torch.round(torch.sqrt(target_area * aspect)).long()  # half to even, as round()
+    heights = torch.round(torch.sqrt(target_area / aspect)).long()
+    fits = (widths <= width) & (heights <= height)
+    first = fits.long().argmax(dim=1, keepdim=True)  # the first attempt that fits
+    found = fits.any(dim=1)
+    # the fallback, the same for every image of the batch (they share one size)
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        fallback_w, fallback_h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        fallback_w, fallback_h = int(round(height * max(ratio))), height
+    else:
+        fallback_w, fallback_h = width, height
+    box_h = torch.where(found, heights.gather(1, first)[:, 0], fallback_h)
+    box_w = torch.where(found, widths.gather(1, first)[:, 0], fallback_w)
+    offsets = torch.rand(batch, 2, generator=generator, dtype=torch.float64)
+    top = torch.where(found, (offsets[:, 0] * (height - box_h + 1)).long(),
+                      (height - fallback_h) // 2)
+    left = torch.where(found, (offsets[:, 1] * (width - box_w + 1)).long(),
+                       (width - fallback_w) // 2)
+    return torch.stack([top, left, box_h, box_w], dim=1)
+
+
+def _source_pixels(start: Tensor, length: Tensor, size: int) -> tuple[Tensor, ...]:
+    """Bilinear source indices and weights ``[B, size]`` of ``interpolate(align_corners=False)``
+    resizing ``length`` pixels from ``start`` to ``size`` (float32 arithmetic, as its kernel)."""
+    scale = length.float() / size
+    source = (scale[:, None] * (torch.arange(size, dtype=torch.float32) + 0.5) - 0.5).clamp_(min=0)
+    index0 = source.long()  # source >= 0: truncation is floor
+    weight1 = source - index0
+    index1 = index0 + (index0 < (length[:, None] - 1)).long()
+    return start[:, None] + index0, start[:, None] + index1, 1 - weight1, weight1
+
+
+def resized_crop(images: Tensor, boxes: Tensor, size: int) -> Tensor:
+    """Crop every image ``[B, C, H, W]`` to its box and resize it to ``size`` x ``size``.
+
+    Bilinear, as ``F.interpolate(crop, size, mode="bilinear", align_corners=False)`` per image
+    (no antialiasing: for decoded shards of small images the crops are upscaled), as gathers
+    over the whole batch.
+    """
+    batch, channels, height, _ = images.shape
+    top, left, box_h, box_w = boxes.unbind(1)
+    if bool((box_h == size).all() and (box_w == size).all()) and images.shape[-1] == size == height:
+        return images  # the whole image at its own size: a resize to the same size is the identity
+    rows0, rows1, row_w0, row_w1 = _source_pixels(top, box_h, size)
+    cols0, cols1, col_w0, col_w1 = _source_pixels(left, box_w, size)
+
+    def columns(index: Tensor) -> Tensor:
+        return images.gather(3, index[:, None, None, :].expand(batch, channels, height, size))
+
+    across = columns(cols0) * col_w0[:, None, None, :] + columns(cols1) * col_w1[:, None, None, :]
+
+    def rows(index: Tensor) -> Tensor:
+        return across.gather(2, index[:, None, :, None].expand(batch, channels, size, size))
+
+    return rows(rows0) * row_w0[:, None, :, None] + rows(rows1) * row_w1[:, None, :, None]
+
+
+def _grayscale(images: Tensor) -> Tensor:
+    """torchvision's luma of float RGB images ``[B, 3, H, W]`` -> ``[B, 1, H, W]``."""
+    red, green, blue = images.unbind(1)
+    return (0.2989 * red + 0.587 * green + 0.114 * blue).unsqueeze(1)
+
+
+def _blend(images: Tensor, other: Tensor | float, factor: Tensor) -> Tensor:
+    return (factor * images + (1.0 - factor) * other).clamp(0.0, 1.0)
+
+
+def _brightness(images: Tensor, factor: Tensor) -> Tensor:
+    return _blend(images, 0.0, factor)
+
+
+def _contrast(images: Tensor, factor: Tensor) -> Tensor:
+    gray = _grayscale(images) if images.shape[1] == 3 else images
+    return _blend(images, gray.mean(dim=(-3, -2, -1), keepdim=True), factor)
+
+
+def _saturation(images: Tensor, factor: Tensor) -> Tensor:
+    if images.shape[1] == 1:
+        return images  # as torchvision: a grayscale image has no saturation
+    return _blend(images, _grayscale(images), factor)
+
+
+JITTERS = (_brightness, _contrast, _saturation)  # timm's color_jitter=c: these three, hue off
+
+
+def color_jitter(images: Tensor, factors: Tensor, order: Tensor) -> Tensor:
+    """torchvision's ColorJitter on float images in [0, 1], per image: ``factors[b, k]`` for
+    adjustment k of ``JITTERS``, applied in the order ``order[b]`` (a permutation of 0..2).
+
+    Every position runs each adjustment on the whole batch, with factor 1 (the identity,
+    exactly) for the images whose turn it is not.
+    """
+    for position in range(len(JITTERS)):
+        for kind, adjust in enumerate(JITTERS):
+            turn = order[:, position] == kind
+            if bool(turn.any()):
+                factor = torch.where(turn, factors[:, kind], 1.0).to(images.dtype)
+                images = adjust(images, factor[:, None, None, None])
+    return images
+
+
+def to_channels(images: Tensor, channels: int) -> Tensor:
+    """uint8 ``[B, C, H, W]`` with C in {1, 3} -> ``channels`` (PIL's convert("L")/("RGB"))."""
+    have = images.shape[1]
+    if have == channels:
+        return images
+    if have == 1 and channels == 3:
+        return images.expand(-1, 3, -1, -1)
+    if have == 3 and channels == 1:  # PIL's integer luma: (19595 R + 38470 G + 7471 B + 2^15) >> 16
+        weights = torch.tensor([19595, 38470, 7471], dtype=torch.int32)[None, :, None, None]
+        luma = (images.int() * weights).sum(dim=1, keepdim=True) + 0x8000
+        return (luma >> 16).to(torch.uint8)
+    raise ValueError(f"decoded images have {have} channels; in_chans={channels} needs 1 or 3")
+
+
+@dataclass(frozen=True)
+class BatchTransform:
+    """timm's train or eval transform of this config as torch ops on a uint8 batch.
+
+    ``images [B, H, W, C] uint8 -> [B, in_chans, image_size, image_size] float32``. Train:
+    random resized crop (timm's box sampling, bilinear), horizontal flip, colour jitter
+    (brightness, contrast, saturation in random order per image), normalisation. Eval: resize
+    the shorter side to ``image_size / crop_pct`` (bilinear, antialiased), centre crop,
+    normalisation. Random draws come from ``generator``.
+    """
+
+    training: bool
+    image_size: int
+    in_chans: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    hflip: float = 0.0
+    color_jitter: float = 0.0
+    crop_pct: float = 1.0
+
+    @classmethod
+    def of(cls, config: AmoebaNetConfig, *, training: bool) -> BatchTransform:
+        if config.auto_augment:
+            raise ValueError(
+                f"auto_augment={config.auto_augment!r} runs per image on PIL images (timm), "
+                f"and {config.data_dir} holds decoded (.npy) images, augmented in batches with "
+                f"torch ops; rebuild the dataset with encoded images (e.g. python -m "
+                f"data.fashion_mnist.prepare --image-format png --force) or drop auto_augment")
+        return cls(training=training, image_size=config.image_size, in_chans=config.in_chans,
+                   mean=tuple(config.mean), std=tuple(config.std),
+                   crop_scale=(config.crop_scale_min, 1.0), hflip=config.hflip,
+                   color_jitter=config.color_jitter, crop_pct=config.crop_pct)
+
+    def __call__(self, images: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        pixels = to_channels(images.permute(0, 3, 1, 2), self.in_chans)
+        batch, _, height, width = pixels.shape
+        floats = pixels.float().div_(255)  # timm's ToTensor
+        if self.training:
+            boxes = sample_crop_boxes(batch, height, width, scale=self.crop_scale,
+                                      generator=generator)
+            floats = resized_crop(floats, boxes, self.image_size)
+            if self.hflip > 0:
+                flip = torch.rand(batch, generator=generator) < self.hflip
+                floats = torch.where(flip[:, None, None, None], floats.flip(-1), floats)
+            if self.color_jitter > 0:
+                low, high = max(0.0, 1 - self.color_jitter), 1 + self.color_jitter
+                factors = low + (high - low) * torch.rand(batch, len(JITTERS),
+                                                          generator=generator)
+                order = torch.rand(batch, len(JITTERS), generator=generator).argsort(dim=1)
+                floats = color_jitter(floats, factors, order)
+        else:
+            floats = self._resize_and_centre_crop(floats)
+        mean = torch.tensor(self.mean, dtype=torch.float32)[None, :, None, None]
+        std = torch.tensor(self.std, dtype=torch.float32)[None, :, None, None]
+        return floats.sub_(mean).div_(std).contiguous()
+
+    def _resize_and_centre_crop(self, images: Tensor) -> Tensor:
+        """timm's eval: Resize(floor(size / crop_pct)) of the shorter side, CenterCrop(size)."""
+        height, width = images.shape[-2:]
+        short = math.floor(self.image_size / self.crop_pct)
+        if min(height, width) != short:
+            new_h = short if height <= width else int(short * height / width)
+            new_w = short if width <= height else int(short * width / height)
+            images = F.interpolate(images, size=(new_h, new_w), mode="bilinear",
+                                   align_corners=False, antialias=True)
+            height, width = new_h, new_w
+        top = int(round((height - self.image_size) / 2.0))
+        left = int(round((width - self.image_size) / 2.0))
+        return images[..., top:top + self.image_size, left:left + self.image_size]
+
+
+def augment_seed(seed: int, epoch: int, dp_rank: int, worker: int) -> int:
+    """The seed of ``BatchTransform``'s generator for one (run seed, epoch, replica, worker)."""
+    return random.Random(f"augment-{seed}-{epoch}-{dp_rank}-{worker}").randrange(2**63)
+
+
+def _transform_batches(batches: Iterable[Batch], *, transform: BatchTransform, seed: int,
+                       epoch: int, dp_rank: int) -> Iterator[Batch]:
+    """Pipeline stage: ``transform`` every uint8 batch, drawing from a generator seeded per
+    (seed, epoch, replica, worker): the same batches in every process, after any resume."""
+    generator = torch.Generator().manual_seed(augment_seed(seed, epoch, dp_rank,
+                                                           _worker_index()))
+    for images, labels in batches:
+        yield transform(images, generator), labels
+
+
+def split_is_decoded(config: AmoebaNetConfig, split: str, shards: Sequence[ShardInfo]) -> bool:
+    """Whether a split holds decoded (.npy) images: from dataset.json's ``image_exts``, else
+    from the first shard's first image member (a shard that cannot be read: not decoded, and
+    the reader names it)."""
+    info = read_dataset_info(config)
+    exts = ((info or {}).get("splits", {}).get(split) or {}).get("image_exts")
+    if exts is not None:
+        if DECODED_EXTENSION in exts and len(exts) > 1:
+            raise ValueError(f"split {split!r} of {config.data_dir} mixes decoded (.npy) and "
+                             f"encoded images ({exts}); rebuild it with one kind")
+        return DECODED_EXTENSION in exts
+    if not shards:
+        return False
+    try:
+        with tarfile.open(shards[0].url) as tar:
+            for member in tar:
+                ext = member.name.rsplit("/", 1)[-1].split(".", 1)[-1]
+                if ext == DECODED_EXTENSION or ext in IMAGE_EXTENSIONS:
+                    return ext == DECODED_EXTENSION
+    except (OSError, tarfile.TarError):
+        pass
+    return False
+
+
 def image_pipeline(
     config: AmoebaNetConfig,
     split: str,
@@ -347,9 +653,7 @@ def image_pipeline(
         shards = shards[dp_rank::dp_size]
     urls = [shard.url for shard in shards]
     expected = {s.url: s.num_images for s in shards if s.num_images is not None}
-    mode = "L" if config.in_chans == 1 else "RGB"
-    decode = DecodeSample(build_transform(config, training=training), mode,
-                          skip=config.skip_corrupt_shards)
+    decoded = split_is_decoded(config, split, shards)
     stages: list[Any] = [
         wds.SimpleShardList(urls),
         wds.split_by_worker,  # each worker reads whole, distinct shards
@@ -359,10 +663,20 @@ def image_pipeline(
     if training and config.shuffle_buffer > 1:
         stages.append(wds.shuffle(config.shuffle_buffer, initial=config.shuffle_buffer,
                                   rng=random.Random(f"samples-{config.seed}-{epoch}-{dp_rank}")))
-    stages += [wds.map(decode), _drop_none]
     batch_size = config.batch_size if training else config.eval_batch_size
     # training drops the last partial batch so every step splits into equal micro-batches
-    stages.append(wds.batched(batch_size, partial=not training, collation_fn=_collate))
+    if decoded:
+        stages += [wds.map(DecodeArray(skip=config.skip_corrupt_shards)), _drop_none,
+                   wds.batched(batch_size, partial=not training, collation_fn=_collate_arrays),
+                   partial(_transform_batches, transform=BatchTransform.of(config,
+                                                                           training=training),
+                           seed=config.seed, epoch=epoch, dp_rank=dp_rank)]
+    else:
+        mode = "L" if config.in_chans == 1 else "RGB"
+        decode = DecodeSample(build_transform(config, training=training), mode,
+                              skip=config.skip_corrupt_shards)
+        stages += [wds.map(decode), _drop_none,
+                   wds.batched(batch_size, partial=not training, collation_fn=_collate)]
     mixup = build_mixup(config) if training else None
     if mixup is not None:
         stages.append(partial(_mix_batches, mixup=mixup, seed=config.seed, epoch=epoch))

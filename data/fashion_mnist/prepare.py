@@ -4,9 +4,12 @@
 
 Steps: ``apt-get download dataset-fashion-mnist`` into ``<out>/download`` (``apt-get update``
 once if the package index lacks it), ``dpkg-deb -x`` there (nothing is installed system-wide),
-parse the four IDX files, and write PNG + class-index shards for ``train`` (minus a held-out
-``val``), ``val`` and ``test``, plus ``dataset.json`` (class names, counts). A finished dataset
-is left alone unless ``--force``; the downloaded .deb is reused.
+parse the four IDX files, and write image + class-index shards for ``train`` (minus a
+held-out ``val``), ``val`` and ``test``, plus ``dataset.json`` (class names, counts). Images
+are stored decoded (``--image-format npy``, the default: uint8 28x28x1 arrays, which the app
+batches and augments with torch ops) or as PNG (``--image-format png``: decoded by PIL and
+transformed by timm per image, as before 2027-01). A finished dataset in the asked format is
+left alone unless ``--force``; the downloaded .deb is reused.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from data.image_shards import (
     DATASET_JSON,
     Sample,
     dataset_is_complete,
+    encode_npy,
     encode_png,
     remove_partial_files,
     write_dataset_json,
@@ -43,6 +47,7 @@ CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
            "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 IDX_IMAGES_MAGIC = 2051  # big-endian int32 at the start of an IDX3 uint8 image file
 IDX_LABELS_MAGIC = 2049
+IMAGE_FORMATS = {"npy": encode_npy, "png": encode_png}  # --image-format: the member's encoder
 
 
 def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -101,11 +106,18 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
 
 
 def _samples(prefix: str, images: np.ndarray, labels: np.ndarray,
-             indices: np.ndarray) -> Iterator[Sample]:
+             indices: np.ndarray, image_format: str) -> Iterator[Sample]:
+    encode = IMAGE_FORMATS[image_format]
     for index in indices:
         # the key keeps the image's index in the original IDX file
-        yield Sample(key=f"{prefix}_{index:05d}", image=encode_png(images[index]), ext="png",
+        yield Sample(key=f"{prefix}_{index:05d}", image=encode(images[index]), ext=image_format,
                      label=int(labels[index]))
+
+
+def _image_format_of(out_dir: Path) -> str:
+    """The image format of a complete dataset (datasets written before the choice: PNG)."""
+    info = json.loads((out_dir / DATASET_JSON).read_text())
+    return str(info.get("image_format", "png"))
 
 
 def prepare(
@@ -114,17 +126,25 @@ def prepare(
     val_size: int = 5000,
     max_per_shard: int = 5000,
     seed: int = 0,
+    image_format: str = "npy",
     force: bool = False,
 ) -> dict[str, Any]:
     """Build the Fashion-MNIST shards in ``out_dir``; return dataset.json's content.
 
     ``val_size`` train images (a seeded random choice) go to the ``val`` split instead of
-    ``train``; ``test`` is the official 10,000-image test set.
+    ``train``; ``test`` is the official 10,000-image test set. ``image_format`` is ``"npy"``
+    (decoded uint8 arrays) or ``"png"``; a complete dataset in the other format is rebuilt.
     """
+    if image_format not in IMAGE_FORMATS:
+        raise ValueError(f"image_format={image_format!r} is not one of {sorted(IMAGE_FORMATS)}")
     out_dir = Path(out_dir).resolve()  # subprocesses run with other working directories
     if dataset_is_complete(out_dir) and not force:
-        print(f"{out_dir} already holds Fashion-MNIST shards ({DATASET_JSON}); --force rebuilds")
-        return dict(json.loads((out_dir / DATASET_JSON).read_text()))
+        existing = _image_format_of(out_dir)
+        if existing == image_format:
+            print(f"{out_dir} already holds Fashion-MNIST shards ({DATASET_JSON}); --force "
+                  f"rebuilds")
+            return dict(json.loads((out_dir / DATASET_JSON).read_text()))
+        print(f"{out_dir} holds {existing} shards; rebuilding them as {image_format}")
     if not 0 <= val_size < 60000:
         raise ValueError(f"val_size={val_size} must be in [0, 60000)")
     start = time.perf_counter()
@@ -152,7 +172,8 @@ def prepare(
     for split, (prefix, images, labels, indices) in plan.items():
         if len(indices) == 0:
             continue
-        splits[split] = write_split(_samples(prefix, images, labels, indices), out_dir, split,
+        splits[split] = write_split(_samples(prefix, images, labels, indices, image_format),
+                                    out_dir, split,
                                     num_classes=len(CLASSES), max_per_shard=max_per_shard)
         print(f"{split}: {splits[split]['images']} images in {len(splits[split]['shards'])} "
               f"shard(s)")
@@ -167,6 +188,7 @@ def prepare(
         classes=CLASSES,
         image_mode="L",
         image_size=[28, 28],
+        image_format=image_format,
         splits=splits,
         # normalisation constants of the train split (the config's mean/std defaults)
         mean=[round(mean, 4)],
@@ -185,10 +207,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="train images held out as the val split (0 = none)")
     parser.add_argument("--max-per-shard", type=int, default=5000, help="images per shard")
     parser.add_argument("--seed", type=int, default=0, help="seed of the val split choice")
+    parser.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="npy",
+                        help="npy: decoded uint8 arrays (batched torch augmentation); png: "
+                             "PNG files (per-image PIL decode and timm transforms)")
     parser.add_argument("--force", action="store_true", help="rebuild even if complete")
     args = parser.parse_args(argv)
     prepare(args.out, val_size=args.val_size, max_per_shard=args.max_per_shard, seed=args.seed,
-            force=args.force)
+            image_format=args.image_format, force=args.force)
     return 0
 
 
