@@ -8,21 +8,21 @@ from .devices import DEVICES, OPTIMIZER_BYTES, Device, get_device
 from .distributed import DistributedGPipe
 from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, report_failure
-from .gpipe import GPipe
 from .groups import group_timeout_s, init_process_groups
 from .layout import PipelineLayout, read_layout
 from .materialize import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
+from .pipe import GPipe
 from .plan import NoPlanFits, Plan, plan, plan_largest
 from .precision import PRECISIONS, LossScaler
-from .profile import StageProfile, profile_stages, profile_timeline
+from .profile import profile_stages, profile_timeline
 from .schedule import (
     Action,
     Schedule,
     ScheduleError,
     dualpipe_v,
+    fill_drain,
     get_schedule,
-    gpipe,
     interleaved_1f1b,
     interleaved_zb,
     one_f_one_b,
@@ -30,9 +30,11 @@ from .schedule import (
     zb_h2,
     zb_v,
 )
+from .schedule import gpipe as gpipe  # deprecated (it warns): fill_drain; not in __all__
 from .sequentialize import SequentializeError, Shared, sequentialize
 from .shards import load_shards, save_shards
 from .simulate import Simulation, simulate
+from .stage_profile import StageProfile
 from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 
 __all__ = [
@@ -81,7 +83,7 @@ __all__ = [
     "get_schedule",
     "TimelineEvent",
     "ScheduleError",
-    "gpipe",
+    "fill_drain",
     "one_f_one_b",
     "zb_h1",
     "zb_h2",

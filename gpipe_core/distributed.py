@@ -50,12 +50,13 @@ from .materialize import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import Balance, split_module, verify_module
 from .precision import LossScaler, check_precision
-from .profile import StageProfile, profile_timeline
+from .profile import profile_timeline
 from .remat import check_pipeline_args, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Action, Schedule, check_in_order_matching, get_schedule
 from .shards import load_shards, save_stage_checkpoint, shard_name
 from .stage import LossFn, Stage
+from .stage_profile import StageProfile
 from .storage import read_index, torch_load, verify_checkpoint
 from .tied import TiedWeight
 from .transport import DistributedTransport, PeerError, policy_for

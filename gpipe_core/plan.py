@@ -26,16 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from .costs import LayerCosts
 from .devices import Device, bytes_per_parameter
 from .partition import optimal_balance
 from .schedule import SCHEDULE_NAMES, get_schedule
 from .simulate import simulate
-
-if TYPE_CHECKING:
-    from .profile import StageProfile
+from .stage_profile import StageProfile
 
 __all__ = ["Plan", "plan", "plan_largest", "NoPlanFits"]
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,78 +52,13 @@ from .remat import check_pipeline_args, checkpoint_stop
 from .runtime import StageRuntime, StepState
 from .schedule import Action, Schedule, get_schedule
 from .stage import Stage
+from .stage_profile import StageProfile
 from .transport import Grads, Transport
 
-__all__ = ["StageProfile", "profile_stages", "profile_timeline"]
+__all__ = ["profile_stages", "profile_timeline"]
 
 # Steps the replay runs under: far from a training run's, so per-layer seeds never repeat one.
 _FIRST_STEP = 1 << 40
-
-
-@dataclass
-class StageProfile:
-    """Measured seconds of one micro-batch's actions, per stage (medians over rounds of the
-    mean over a round's micro-batches). ``backward`` is a fused B; in a profile of a schedule
-    that splits the backward it is ``backward_input + backward_weight`` (what a fused B of
-    that stage would cost is then not measured), and in one of a fused schedule the two halves
-    are ``None``. ``recompute``: what re-materialization adds to a backward (B or I);
-    ``forward_no_grad``: the forward of a re-materialized micro-batch (without autograd).
-    With ``checkpoint="always"`` a forward with autograd never runs: ``forward`` is then the
-    one without, and ``backward`` includes the recomputation (``recompute`` 0)."""
-
-    schedule: str
-    num_microbatches: int
-    checkpoint: str
-    forward: list[float]
-    backward: list[float]
-    forward_no_grad: list[float]
-    recompute: list[float]
-    backward_input: list[float] | None = None
-    backward_weight: list[float] | None = None
-    transfer: list[float] = field(default_factory=list)  # seconds per boundary s -> s+1
-    rounds: int = 0
-    # per stage and action kind ("F", "F_remat", "B", "B_remat", "I", "I_remat", "W"): the
-    # round means the medians come from
-    samples: list[dict[str, list[float]]] = field(default_factory=list)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.forward)
-
-    @property
-    def num_rounds(self) -> int:
-        """Timed rounds whose costs :meth:`round` can give (0 without per-round samples)."""
-        counts = {len(values) for stage in self.samples for values in stage.values()}
-        if len(counts) > 1:
-            raise ValueError(f"the stages' samples hold {sorted(counts)} rounds: per-round costs "
-                             "need the same rounds for every stage and action kind")
-        return counts.pop() if counts else 0
-
-    def round(self, index: int) -> StageProfile:
-        """The profile of timed round ``index`` alone: every stage's costs from that round's
-        means (the rounds of all stages ran at the same time), derived as the medians are."""
-        rounds = self.num_rounds
-        if not 0 <= index < rounds:
-            raise ValueError(f"round {index} of a profile with {rounds} timed rounds: give "
-                             f"0..{rounds - 1}" if rounds else
-                             "this profile keeps no per-round samples (profile_stages and "
-                             "profile_timeline record them)")
-        one = [{kind: [values[index]] for kind, values in stage.items()} for stage in self.samples]
-        return _summarise(self.schedule, self.num_microbatches, self.checkpoint, one,
-                          list(self.transfer), 1)
-
-    def simulate_kwargs(self) -> dict[str, Any]:
-        """The arguments of :func:`~gpipe_core.simulate.simulate` this profile gives."""
-        kwargs: dict[str, Any] = {
-            "forward": self.forward, "backward": self.backward,
-            "forward_no_grad": self.forward_no_grad, "recompute": self.recompute,
-            "transfer": self.transfer if self.transfer else 0.0,
-            "checkpoint": self.checkpoint,
-        }
-        if self.backward_input is not None and self.backward_weight is not None:
-            kwargs["backward_input"] = self.backward_input
-            kwargs["backward_weight"] = self.backward_weight
-        return kwargs
 
 
 class _ReplayTransport(Transport):
@@ -251,7 +185,7 @@ def profile_stages(
                 p.grad = g
             for b, saved in zip(module.buffers(), buffers, strict=True):
                 b.copy_(saved)
-    return _summarise(name, m, checkpoint, times, links, rounds)
+    return StageProfile.from_rounds(name, m, checkpoint, times, links, rounds)
 
 
 def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
@@ -348,7 +282,8 @@ def profile_timeline(
             _add_round(times, [(s, kind, mb, seconds)
                                for _, kind, mb, seconds in rows[r * size:(r + 1) * size]], stop)
     links = _links(transfer, schedule.num_stages)
-    return _summarise(schedule.name, schedule.num_microbatches, checkpoint, times, links, rounds)
+    return StageProfile.from_rounds(schedule.name, schedule.num_microbatches, checkpoint, times,
+                                    links, rounds)
 
 
 def _add_round(times: list[dict[str, list[float]]], events: list[tuple[int, str, int, float]],
@@ -385,51 +320,9 @@ def _replay(plan: Schedule, rank: int, stages: list[Stage], transports: list[_Re
     return [(a.stage, a.kind, a.mb, seconds) for a, seconds in actions]
 
 
-def _summarise(name: str, m: int, checkpoint: str, times: list[dict[str, list[float]]],
-               links: list[float], rounds: int) -> StageProfile:
-    def median(stage: dict[str, list[float]], key: str) -> float | None:
-        values = stage.get(key)
-        return statistics.median(values) if values else None
-
-    nan = math.nan
-    forward, backward, no_grad, recompute = [], [], [], []
-    inputs: list[float] = []
-    weights: list[float] = []
-    split = any("I" in t or "I_remat" in t for t in times)
-    for stage in times:
-        f, f_remat = median(stage, "F"), median(stage, "F_remat")
-        fused = "B" if not split else "I"
-        b, b_remat = median(stage, fused), median(stage, fused + "_remat")
-        w = median(stage, "W")
-        forward.append(_first(f, f_remat, nan))
-        no_grad.append(_first(f_remat, f, nan))
-        backward_one = _first(b, b_remat, nan)
-        if b is not None and b_remat is not None:  # both ran: the difference is the rerun
-            recompute.append(b_remat - b)
-        elif b_remat is not None:  # every micro-batch re-materialized: B includes the rerun
-            recompute.append(0.0)
-        else:  # none re-materialized: a rerun would be a forward with autograd
-            recompute.append(forward[-1])
-        if split:
-            inputs.append(backward_one)
-            weights.append(_first(w, nan))
-            backward.append(backward_one + _first(w, nan))
-        else:
-            backward.append(backward_one)
-    return StageProfile(
-        schedule=name, num_microbatches=m, checkpoint=checkpoint, forward=forward,
-        backward=backward, forward_no_grad=no_grad, recompute=[max(r, 0.0) for r in recompute],
-        backward_input=inputs if split else None, backward_weight=weights if split else None,
-        transfer=links, rounds=rounds, samples=times)
-
-
 def _packed(payload: Any, device: torch.device) -> Tensor:
     buffer, _ = wire.pack(payload, step=0, num_microbatches=1, device=device)
     return buffer
-
-
-def _first(*values: float | None) -> float:
-    return next(v for v in values if v is not None)
 
 
 def _links(transfer: float | Sequence[float], num_stages: int) -> list[float]:

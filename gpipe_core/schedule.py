@@ -16,7 +16,7 @@ Kinds of action (the backward may be split in two, as in zero-bubble schedules):
 Every stage runs, for every micro-batch, F and then either B, or I and later W.
 
 Fill-drain (GPipe) for K=3 stages and M=4 micro-batches, one column per clock step
-(``draw(gpipe(3, 4))``)::
+(``draw(fill_drain(3, 4))``)::
 
     step     0    1    2    3    4    5    6    7    8    9    10   11
     stage 0  0F0  0F1  0F2  0F3  .    .    .    .    0B3  0B2  0B1  0B0
@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "zb_h1", "zb_h2",
+__all__ = ["Action", "Schedule", "ScheduleError", "fill_drain", "one_f_one_b", "zb_h1", "zb_h2",
            "interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v", "get_schedule",
            "SCHEDULE_NAMES",
            "check_in_order_matching"]
@@ -346,8 +347,8 @@ def validate(schedule: Schedule) -> None:
     schedule.clock()
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-    """Fill-drain: every stage runs F on all micro-batches, then B in reverse order.
+def fill_drain(num_stages: int, num_microbatches: int) -> Schedule:
+    """Fill-drain (GPipe's schedule, ``"gpipe"``): every stage runs F on all micro-batches, then B in reverse order.
 
     Backward runs the last micro-batch first: it is the one whose forward just finished, so its
     activations are still in memory when re-materialization spares it (``except_last``).
@@ -359,6 +360,17 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
         for s in range(num_stages)
     )
     return Schedule("gpipe", num_stages, num_microbatches, actions)
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """Deprecated: the old name of :func:`fill_drain` (it warns, then builds the same schedule).
+
+    As ``gp.gpipe`` it stood where ``import gpipe_core.gpipe`` looked for a module, the one of
+    ``gp.GPipe`` (now ``gpipe_core.pipe``), and hid it.
+    """
+    warnings.warn("gp.gpipe (gpipe_core.schedule.gpipe) is deprecated: call gp.fill_drain, "
+                  "the same fill-drain schedule", DeprecationWarning, stacklevel=2)
+    return fill_drain(num_stages, num_microbatches)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int, *, slack: int = 0) -> Schedule:
@@ -689,8 +701,8 @@ def _dualpipe_v_row(r: int, k: int, m: int) -> tuple[Action, ...]:
 
 
 _SLACK_RE = re.compile(r"^1f1b_slack(\d+)$")
-_SCHEDULES = {"gpipe": gpipe, "fill_drain": gpipe, "1f1b": one_f_one_b, "one_f_one_b": one_f_one_b,
-              "zb_h1": zb_h1, "zb_h2": zb_h2}
+_SCHEDULES = {"gpipe": fill_drain, "fill_drain": fill_drain, "1f1b": one_f_one_b,
+              "one_f_one_b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2}
 _VIRTUAL = ("interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v")  # several per rank
 SCHEDULE_NAMES = (*sorted(_SCHEDULES), *_VIRTUAL, "1f1b_slackN")
 

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .events import TimelineEvent
 from .remat import checkpoint_stop
 from .schedule import Schedule
-
-if TYPE_CHECKING:
-    from .profile import StageProfile
+from .stage_profile import StageProfile
 
 __all__ = ["Simulation", "simulate"]
 
@@ -60,7 +57,7 @@ def simulate(
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
     runs one action at a time (with virtual stages, several stages' actions in its row's order).
 
-    ``forward`` may be a :class:`~gpipe_core.profile.StageProfile` (what
+    ``forward`` may be a :class:`~gpipe_core.stage_profile.StageProfile` (what
     :func:`~gpipe_core.profile.profile_stages` measured): its costs, transfer times and
     re-materialization mode are then the defaults of every cost argument and ``checkpoint``;
     an argument given beside it replaces the profile's.
@@ -89,15 +86,13 @@ def simulate(
     ``working_bytes`` the peak is taken between actions only.
 
     ``per_round`` (with a profile): simulate each of the profile's timed rounds with that
-    round's own costs (:meth:`~gpipe_core.profile.StageProfile.round`) and return the round
+    round's own costs (:meth:`~gpipe_core.stage_profile.StageProfile.round`) and return the round
     of median step time (the lower of the two middle ones for an even count). A step lasts as
     long as its slowest path, so where costs vary from round to round the median of the
     rounds' step times is mostly above the step time of the median costs: this predicts the
     median step a pipeline will measure, where the median costs tend to predict one too fast.
     """
     if per_round:
-        from .profile import StageProfile
-
         if not isinstance(forward, StageProfile):
             raise ValueError("per_round=True simulates a profile's rounds: give a StageProfile "
                              "(profile_stages, profile_timeline) as the costs")

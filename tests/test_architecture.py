@@ -21,12 +21,16 @@ level it imports; ``apart`` is a module with no arrow in or out (a tool around t
 from __future__ import annotations
 
 import ast
+import importlib
+import pkgutil
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+import gpipe_core
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gpipe_core"
@@ -236,3 +240,17 @@ def test_the_reading_of_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert levels(code_modules(), {a for a in code_arrows() if a.source != FACE}) == {
         "a": 1, "c": 2, "sub": 3, "b": 4}
 
+
+
+def test_no_public_name_shadows_another_modules_submodule() -> None:
+    # ``gp.NAME`` for a submodule's NAME hides the submodule from ``import gpipe_core.NAME as m``
+    # (the package's attribute wins). Where NAME is the submodule's own entry point (gp.simulate
+    # from gpipe_core/simulate.py) the two at least mean the same thing; a name from another
+    # module misleads: gp.gpipe, the schedule builder, hid gpipe_core.gpipe, GPipe's module
+    # (now gpipe_core.pipe, the builder gp.fill_drain).
+    for info in pkgutil.iter_modules(gpipe_core.__path__):
+        module = importlib.import_module(f"gpipe_core.{info.name}")
+        public = getattr(gpipe_core, info.name)
+        assert public is module or getattr(public, "__module__", None) == module.__name__, (
+            f"gp.{info.name} is {public!r} from {getattr(public, '__module__', '?')}, and hides "
+            f"the submodule gpipe_core.{info.name}: rename one of them")

@@ -126,7 +126,7 @@ def test_bad_arguments_say_what_to_change() -> None:
     model, x, y = model_and_batch()
     with pytest.raises(ValueError, match="schedule is for 2 stages and 8 micro-batches; the "
                                          "profile has 2 stages .* and 4 micro-batches"):
-        gp.profile_stages(model, [3, 3], x, y, schedule=gp.gpipe(2, 8), chunks=4)
+        gp.profile_stages(model, [3, 3], x, y, schedule=gp.fill_drain(2, 8), chunks=4)
     with pytest.raises(ValueError, match="rounds=0"):
         gp.profile_stages(model, [3, 3], x, y, rounds=0)
     with pytest.raises(ValueError, match=r"ranks \[2\] are not ranks of the schedule \(0..1\)"):

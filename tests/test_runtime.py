@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_core.runtime import StageRuntime, StepCounter, StepState
-from gpipe_core.schedule import gpipe, one_f_one_b, zb_h1, zb_h2
+from gpipe_core.schedule import fill_drain, one_f_one_b, zb_h1, zb_h2
 from gpipe_core.stage import Stage
 from gpipe_core.transport import LocalTransport, Mailbox
 
@@ -34,7 +34,7 @@ def runtimes(model: nn.Sequential, *, record: bool = False) -> list[StageRuntime
                          record=record) for stage in stages]
 
 
-@pytest.mark.parametrize("schedule", [gpipe, one_f_one_b, zb_h1, zb_h2])
+@pytest.mark.parametrize("schedule", [fill_drain, one_f_one_b, zb_h1, zb_h2])
 def test_a_step_carries_the_loss_back_and_matches_the_plain_model(schedule) -> None:  # type: ignore[no-untyped-def]
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
@@ -66,7 +66,7 @@ def test_forward_only_step_keeps_outputs_and_carries_nothing() -> None:
     with torch.no_grad():
         for runtime in pipeline:
             runtime.begin_step(state)
-        for action in [a for tick in gpipe(2, 2).clock() for a in tick if a.kind == "F"]:
+        for action in [a for tick in fill_drain(2, 2).clock() for a in tick if a.kind == "F"]:
             pipeline[action.stage].run_action(action, state)
     assert sorted(state.outputs) == [0, 1]
     assert all(math.isnan(runtime.finish_step()) for runtime in pipeline)

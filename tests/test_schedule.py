@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+import gpipe_core as gp
 from gpipe_core import schedule as gp_schedule
 from gpipe_core.schedule import (
     Action,
     Schedule,
     ScheduleError,
     draw,
+    fill_drain,
     get_schedule,
-    gpipe,
     one_f_one_b,
     validate,
     zb_h1,
@@ -33,7 +34,7 @@ def test_action_prints_and_parses() -> None:
 
 
 def test_gpipe_actions_k3_m4() -> None:
-    schedule = gpipe(3, 4)
+    schedule = fill_drain(3, 4)
     assert str(schedule) == (
         "0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0\n"
         "1F0 1F1 1F2 1F3 1B3 1B2 1B1 1B0\n"
@@ -42,9 +43,17 @@ def test_gpipe_actions_k3_m4() -> None:
     assert Schedule.from_text(str(schedule), name="gpipe") == schedule
 
 
+def test_gpipe_is_the_deprecated_name_of_fill_drain() -> None:
+    with pytest.warns(DeprecationWarning, match=r"gp\.fill_drain"):
+        old = gp.gpipe(3, 4)
+    assert old == fill_drain(3, 4) == get_schedule("gpipe", 3, 4)
+    with pytest.warns(DeprecationWarning):
+        assert gp_schedule.gpipe(2, 2) == fill_drain(2, 2)
+
+
 def test_gpipe_clock_picture() -> None:
     # The fill-drain picture: forwards fill the pipe diagonally, backwards drain it back.
-    assert draw(gpipe(3, 4)) == "\n".join(
+    assert draw(fill_drain(3, 4)) == "\n".join(
         [
             "step     0    1    2    3    4    5    6    7    8    9    10   11",
             "stage 0  0F0  0F1  0F2  0F3  .    .    .    .    0B3  0B2  0B1  0B0",
@@ -52,7 +61,7 @@ def test_gpipe_clock_picture() -> None:
             "stage 2  .    .    2F0  2F1  2F2  2F3  2B3  2B2  2B1  2B0  .    .",
         ]
     )
-    steps = gpipe(3, 4).clock()
+    steps = fill_drain(3, 4).clock()
     # 2 * (M + K - 1) steps; the bubble is (K-1)/(M+K-1) of each stage's time.
     assert len(steps) == 2 * (4 + 3 - 1)
 
@@ -65,7 +74,7 @@ def test_one_f_one_b_k3_m4() -> None:
         "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3"
     )
     validate(schedule)
-    assert not schedule.forward_then_backward and gpipe(3, 4).forward_then_backward
+    assert not schedule.forward_then_backward and fill_drain(3, 4).forward_then_backward
 
 
 def test_one_f_one_b_with_slack_runs_one_more_forward_ahead() -> None:
@@ -89,7 +98,7 @@ def test_one_f_one_b_with_slack_runs_one_more_forward_ahead() -> None:
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
 def test_builtin_schedules_validate(k: int, m: int) -> None:
-    for schedule in (gpipe(k, m), one_f_one_b(k, m), one_f_one_b(k, m, slack=1)):
+    for schedule in (fill_drain(k, m), one_f_one_b(k, m), one_f_one_b(k, m, slack=1)):
         validate(schedule)
         actions = [a for tick in schedule.clock() for a in tick]
         assert len(actions) == 2 * k * m
@@ -210,7 +219,7 @@ def test_zero_bubble_unit_time(k: int, m: int) -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
 def test_peak_microbatches_held_match_each_schedules_bound(k: int, m: int) -> None:
     # Held: between F and B (or W, which needs the forward's state too).
-    assert gpipe(k, m).peak_held() == [m] * k
+    assert fill_drain(k, m).peak_held() == [m] * k
     assert one_f_one_b(k, m).peak_held() == [min(k - s, m) for s in range(k)]
     assert zb_h1(k, m).peak_held() == [min(k, m)] * k  # 1F1B's peak (its first stage's)
     assert zb_h2(k, m).peak_held() == [min(2 * k - 1, m)] * k  # about twice

@@ -13,7 +13,7 @@ from gpipe_core.simulate import simulate
 
 @pytest.mark.parametrize(("k", "m"), [(2, 1), (2, 4), (4, 8), (4, 16), (3, 5)])
 def test_fill_drain_bubble_is_the_formula(k: int, m: int) -> None:
-    sim = simulate(gp.gpipe(k, m), [1.0] * k, [2.0] * k)
+    sim = simulate(gp.fill_drain(k, m), [1.0] * k, [2.0] * k)
     assert sim.step_time == pytest.approx((m + k - 1) * 3.0)
     assert sim.bubble_fraction == pytest.approx((k - 1) / (m + k - 1))
     assert sim.peak_inflight == [m] * k
@@ -31,7 +31,7 @@ def test_one_f_one_b_pays_latency_per_microbatch_unless_given_slack(k: int, m: i
     # In 1F1B's steady state a stage's next backward waits on the message the next stage sends
     # at the end of its own backward, so every transfer's latency lands on the critical path.
     forward, backward, transfer = [1.0] * k, [2.0] * k, 0.1
-    fill_drain = simulate(gp.gpipe(k, m), forward, backward, transfer=transfer)
+    fill_drain = simulate(gp.fill_drain(k, m), forward, backward, transfer=transfer)
     classic = simulate(gp.one_f_one_b(k, m), forward, backward, transfer=transfer)
     slack = simulate(gp.one_f_one_b(k, m, slack=1), forward, backward, transfer=transfer)
     # Fill-drain pays the latency only while filling and draining: 2(K-1) transfers.
@@ -44,9 +44,9 @@ def test_one_f_one_b_pays_latency_per_microbatch_unless_given_slack(k: int, m: i
 
 
 def test_rematerialization_costs_a_forward_and_saves_memory() -> None:
-    never = simulate(gp.gpipe(2, 4), [1.0, 1.0], [2.0, 2.0], activation_bytes=[100, 100],
+    never = simulate(gp.fill_drain(2, 4), [1.0, 1.0], [2.0, 2.0], activation_bytes=[100, 100],
                      input_bytes=[10, 10])
-    always = simulate(gp.gpipe(2, 4), [1.0, 1.0], [2.0, 2.0], checkpoint="always",
+    always = simulate(gp.fill_drain(2, 4), [1.0, 1.0], [2.0, 2.0], checkpoint="always",
                       activation_bytes=[100, 100], input_bytes=[10, 10])
     # Every backward now also pays its forward: (M+K-1) * (f + b + f).
     assert always.step_time == pytest.approx((4 + 2 - 1) * (1.0 + 2.0 + 1.0))
@@ -58,7 +58,7 @@ def test_memory_walk_counts_messages_gradients_and_working_bytes() -> None:
     # action runs; stage 1 receives 1, saves 20, has 3 of gradients and needs 25.
     sizes = dict(activation_bytes=[10, 20 + 1], input_bytes=[0, 1], output_bytes=[1, 0],
                  gradient_bytes=[5, 3], working_bytes=[12, 25])
-    schedule = gp.gpipe(2, 2)  # F0 F1 B1 B0 on each stage
+    schedule = gp.fill_drain(2, 2)  # F0 F1 B1 B0 on each stage
     # Stage 0 without re-materialization: F0 peaks at 12, then holds 10 + its message (1); F1
     # peaks at 11 + 12 = 23 and holds 20 + 1 (only the newest message); B1: 21 - 10 + 12 = 23;
     # then 10 + 1 + 5 gradients; B0: 16 - 10 + 12 = 18.
@@ -74,14 +74,14 @@ def test_memory_walk_counts_messages_gradients_and_working_bytes() -> None:
 
 
 def test_transfer_time_delays_dependent_actions() -> None:
-    sim = simulate(gp.gpipe(2, 1), [1.0, 1.0], [1.0, 1.0], transfer=0.5)
+    sim = simulate(gp.fill_drain(2, 1), [1.0, 1.0], [1.0, 1.0], transfer=0.5)
     assert sim.step_time == pytest.approx(4.0 + 2 * 0.5)
 
 
 def test_events_draw_like_a_measured_timeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from gpipe_core.trace import write_chrome_trace, write_timeline_png
 
-    sim = simulate(gp.gpipe(3, 4), [1.0] * 3, [2.0] * 3)
+    sim = simulate(gp.fill_drain(3, 4), [1.0] * 3, [2.0] * 3)
     write_chrome_trace(sim.events, tmp_path / "t.json")
     write_timeline_png(sim.events, tmp_path / "t.png", num_stages=3)
     assert (tmp_path / "t.png").stat().st_size > 1000
@@ -122,11 +122,11 @@ def test_plan_with_a_fixed_balance_times_and_sizes_that_split() -> None:
 
 
 def test_hand_computed_timeline_with_transfer_and_rematerialization() -> None:
-    # gpipe(2, 2), except_last: micro-batch 0 is re-materialized, 1 is not. By hand:
+    # fill_drain(2, 2), except_last: micro-batch 0 is re-materialized, 1 is not. By hand:
     #   stage 0: F0 0-0.8 (no autograd), F1 0.8-1.8
     #   stage 1: F0 1.3-2.9 (0.8 + 0.5 transfer), F1 2.9-4.9, B1 4.9-7.9, B0 7.9-13.4 (3 + 2.5)
     #   stage 0: B1 8.4-10.4 (7.9 + 0.5), B0 13.9-17.4 (13.4 + 0.5; 2 + 1.5 recompute)
-    sim = simulate(gp.gpipe(2, 2), [1.0, 2.0], [2.0, 3.0], transfer=[0.5],
+    sim = simulate(gp.fill_drain(2, 2), [1.0, 2.0], [2.0, 3.0], transfer=[0.5],
                    checkpoint="except_last", recompute=[1.5, 2.5], forward_no_grad=[0.8, 1.6])
     spans = {e.action: (e.start, e.end) for e in sim.events}
     expected = {"0F0": (0.0, 0.8), "0F1": (0.8, 1.8), "1F0": (1.3, 2.9), "1F1": (2.9, 4.9),
@@ -139,13 +139,13 @@ def test_hand_computed_timeline_with_transfer_and_rematerialization() -> None:
 
 
 def test_transfer_per_boundary() -> None:
-    # gpipe(3, 1): F chain 1 + 0.25 + 1 + 0.75 + 1, then B chain back 1 + 0.75 + 1 + 0.25 + 1.
-    sim = simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, transfer=[0.25, 0.75])
+    # fill_drain(3, 1): F chain 1 + 0.25 + 1 + 0.75 + 1, then B chain back 1 + 0.75 + 1 + 0.25 + 1.
+    sim = simulate(gp.fill_drain(3, 1), [1.0] * 3, [1.0] * 3, transfer=[0.25, 0.75])
     assert sim.step_time == pytest.approx(6.0 + 2 * (0.25 + 0.75))
     with pytest.raises(ValueError, match="2 boundaries"):
-        simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, transfer=[0.25])
+        simulate(gp.fill_drain(3, 1), [1.0] * 3, [1.0] * 3, transfer=[0.25])
     with pytest.raises(ValueError, match="recompute has 1 costs for 3 stages"):
-        simulate(gp.gpipe(3, 1), [1.0] * 3, [1.0] * 3, recompute=[1.0])
+        simulate(gp.fill_drain(3, 1), [1.0] * 3, [1.0] * 3, recompute=[1.0])
 
 
 def test_plan_uses_the_costs_measured_at_each_microbatch_count() -> None:

@@ -27,7 +27,7 @@ from .partition import split_module, verify_module
 from .precision import check_precision
 from .remat import check_pipeline_args
 from .runtime import StageRuntime, StepCounter, StepState
-from .schedule import Action, Schedule, gpipe
+from .schedule import Action, Schedule, fill_drain
 from .stage import Stage
 from .transport import LocalTransport, Mailbox
 
@@ -149,7 +149,7 @@ class GPipe(StepCounter, nn.Module):
 
     def schedule(self, num_microbatches: int) -> Schedule:
         """The schedule a forward with ``num_microbatches`` micro-batches runs (fill-drain)."""
-        return gpipe(self.num_stages, num_microbatches)
+        return fill_drain(self.num_stages, num_microbatches)
 
     def forward(self, inputs: Any) -> Any:
         microbatches = scatter(inputs, self.chunks)
