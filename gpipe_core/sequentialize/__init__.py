@@ -143,65 +143,28 @@ def sequentialize(
     batch_size = _batch_size((args, kwargs))
     programs = {mode: export_module(module, args, kwargs, training=mode)
                 for mode in (True, False)}
-    if split_points is not None:
-        for path in split_points:
-            try:
-                module.get_submodule(path)
-            except AttributeError:
-                raise SequentializeError(
-                    f"split point {path!r} is not a submodule of {type(module).__name__}; "
-                    "give module paths as in named_modules(), e.g. 'transformer.h.2'"
-                ) from None
-        points: list[SplitPoint] = [("before", p) for p in split_points]
-    else:
-        points = default_split_points(module)
-        if not points:
-            raise SequentializeError(
-                f"{type(module).__name__} has no repeated blocks (an nn.ModuleList or "
-                "nn.Sequential of two or more modules) to cut between; pass split_points="
-                "[...] naming the modules to cut before"
-            )
+    points = _split_points(module, split_points)
     train = _Traced(programs[True], table)
-    positions = cut_positions(train.body, points, strict=split_points is not None)
-    kept: list[tuple[SplitPoint, int]] = []
-    for point, position in zip(points, positions, strict=True):
-        if position is None or position <= 0 or position >= len(train.body):
-            continue
-        if kept and position <= kept[-1][1]:
-            if position < kept[-1][1]:
-                raise SequentializeError(
-                    f"split points out of program order: {point[1]!r} runs before "
-                    f"{kept[-1][0][1]!r}; list split_points in the order the forward runs them"
-                )
-            continue
-        kept.append((point, position))
-    cutting = cut_graph(train.graph, [p for _, p in kept], None, train.param_key)
-    owners = table.owners(_used(train, cutting))
+    kept = _kept_points(train, points, strict=split_points is not None)
+    cutting, owners = _cut(train, kept, table)
     if parts is not None:
         kept = _merge(kept, cutting, owners, table, parts)
-        cutting = cut_graph(train.graph, [p for _, p in kept], None, train.param_key)
-        owners = table.owners(_used(train, cutting))
-    cutting = cut_graph(train.graph, [p for _, p in kept], owners, train.param_key)
+        cutting, owners = _cut(train, kept, table)
     num_segments = cutting.num_segments
-    ghosts = set(table.aliases)
+    ghosts = set(table.aliases)  # second names of shared tensors, written as aliases
     tied: tuple[str, str] | None = None
     ends: dict[bool, dict[fx.Node, dict[int, str]]] = {True: {}, False: {}}
     if tied_weights == "ends":
-        paths = _tied_at_ends(train, cutting, table)
-        if paths:
-            (canonical, by_segment), = paths.items()
-            for path in by_segment.values():
-                ghosts.discard(path)
+        for canonical, by_segment in _tied_at_ends(train, cutting, table).items():
+            ghosts -= set(by_segment.values())
             owners = {**{p: s for p, s in owners.items() if p != canonical},
                       **{path: s for s, path in by_segment.items()}}
-            tied = (f"seg0.{by_segment[0]}", f"seg{num_segments - 1}."
-                    f"{by_segment[num_segments - 1]}")
-            for mode, traced in ((True, train), (False, None)):
-                if traced is not None:
-                    node = next(n for n, p in traced.param_key.items() if p == canonical)
-                    ends[mode][node] = by_segment
-            cutting = cut_graph(train.graph, [p for _, p in kept], owners, train.param_key,
-                                local=ends[True])
+            last = num_segments - 1
+            tied = (f"seg0.{by_segment[0]}", f"seg{last}.{by_segment[last]}")
+            node = next(n for n, p in train.param_key.items() if p == canonical)
+            ends[True][node] = by_segment
+        cutting = cut_graph(train.graph, [p for _, p in kept], owners, train.param_key,
+                            local=ends[True])
     labels = [_label(train.body)] + [point[1] if point[0] == "before" else f"after {point[1]}"
                                          for point, _ in kept]
     names = [f"seg{i}" for i in range(num_segments)]
@@ -288,6 +251,57 @@ def _tied_at_ends(traced: _Traced, cutting: Cutting, table: TensorTable
             "DistributedGPipe ties one; use tied_weights='carry'"
         )
     return result
+
+
+def _split_points(module: nn.Module, split_points: Sequence[str] | None) -> list[SplitPoint]:
+    """The user's split points (checked to name submodules), or the default ones."""
+    if split_points is not None:
+        for path in split_points:
+            try:
+                module.get_submodule(path)
+            except AttributeError:
+                raise SequentializeError(
+                    f"split point {path!r} is not a submodule of {type(module).__name__}; "
+                    "give module paths as in named_modules(), e.g. 'transformer.h.2'"
+                ) from None
+        return [("before", p) for p in split_points]
+    points = default_split_points(module)
+    if not points:
+        raise SequentializeError(
+            f"{type(module).__name__} has no repeated blocks (an nn.ModuleList or "
+            "nn.Sequential of two or more modules) to cut between; pass split_points=[...] "
+            "naming the modules to cut before"
+        )
+    return points
+
+
+def _kept_points(traced: _Traced, points: list[SplitPoint], *, strict: bool
+                 ) -> list[tuple[SplitPoint, int]]:
+    """The split points that cut somewhere (not at either end, not where another one cuts),
+    with their positions; user split points out of program order are an error."""
+    kept: list[tuple[SplitPoint, int]] = []
+    positions = cut_positions(traced.body, points, strict=strict)
+    for point, position in zip(points, positions, strict=True):
+        if position is None or position <= 0 or position >= len(traced.body):
+            continue
+        if kept and position <= kept[-1][1]:
+            if position < kept[-1][1]:
+                raise SequentializeError(
+                    f"split points out of program order: {point[1]!r} runs before "
+                    f"{kept[-1][0][1]!r}; list split_points in the order the forward runs them"
+                )
+            continue
+        kept.append((point, position))
+    return kept
+
+
+def _cut(traced: _Traced, kept: list[tuple[SplitPoint, int]], table: TensorTable
+         ) -> tuple[Cutting, dict[str, int]]:
+    """The graph cut at ``kept``, and the segment owning every tensor (unused ones too)."""
+    positions = [p for _, p in kept]
+    owners = table.owners(_used(traced, cut_graph(traced.graph, positions, None,
+                                                  traced.param_key)))
+    return cut_graph(traced.graph, positions, owners, traced.param_key), owners
 
 
 class _Traced:
