@@ -13,9 +13,11 @@ stream with webdataset and batch inside the workers, in one of two ways:
 
 ``BatchTransform`` is the same recipe as timm's transforms (random resized crop with timm's
 crop sampling, horizontal flip, colour jitter; eval: resize and centre crop; normalisation) as
-torch ops on the whole uint8 batch: a 28x28 image costs ~0.05 ms of CPU instead of ~0.5 ms
-(``scripts/bench_amoebanet_input.py``). It has no auto-augment (timm's runs on PIL images): a
-config asking for it on decoded shards is refused with the fix.
+torch ops on the whole uint8 batch, each image with its own draws (torchvision's batched v2
+transforms draw once per batch, which would change the augmentation): a 28x28 image costs
+~0.1 ms of CPU instead of ~0.5 ms (``scripts/bench_amoebanet_input.py``). It has no
+auto-augment (timm's runs on PIL images): a config asking for it on decoded shards is refused
+with the fix.
 
 Determinism: the shard order, the shuffle buffer and mixup draw from RNGs seeded by
 ``(config.seed, epoch, worker)``, and worker seeds (timm's random crops and flips) come from a
