@@ -9,6 +9,7 @@ a real 2-rank run stopped and resumed on decoded shards gives the same losses bi
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import io
 import json
 import tarfile
@@ -336,3 +337,40 @@ def test_training_on_decoded_shards_resumes_exactly(npy_shards: Path, tmp_path: 
     torchrun(tiny_args(npy_shards, halves, **changes) + ["--resume"])
     assert losses(halves) == losses(straight)
     assert len(losses(straight)) == 2 * TRAIN_IMAGES // 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Fashion-MNIST's preparer writes either format (the Debian package replaced by IDX files)
+
+
+def test_fashion_mnist_prepares_decoded_or_png_and_rebuilds_on_a_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from data.fashion_mnist import prepare as fashion
+
+    idx_dir = tmp_path / "idx"
+    idx_dir.mkdir()
+    arrays = {"train": textured(30, (28, 28), seed=1), "test": textured(10, (28, 28), seed=2)}
+    for split, (images_name, labels_name) in fashion.IDX_FILES.items():
+        images = arrays[split]
+        header = np.array([fashion.IDX_IMAGES_MAGIC, len(images), 28, 28], ">i4").tobytes()
+        (idx_dir / images_name).write_bytes(gzip.compress(header + images.tobytes()))
+        labels = np.arange(len(images), dtype=np.uint8) % 10
+        header = np.array([fashion.IDX_LABELS_MAGIC, len(images)], ">i4").tobytes()
+        (idx_dir / labels_name).write_bytes(gzip.compress(header + labels.tobytes()))
+    monkeypatch.setattr(fashion, "download_deb", lambda _dir: tmp_path / "unused.deb")
+    monkeypatch.setattr(fashion, "extract_deb", lambda _deb, _into: idx_dir)
+
+    out = tmp_path / "fmnist"
+    info = fashion.prepare(out, val_size=5, max_per_shard=10)
+    assert info["image_format"] == "npy" and info["splits"]["test"]["image_exts"] == ["npy"]
+    config = config_for(out, dataset="fashion_mnist", num_classes=10, image_size=28,
+                        mean=(0.0,), std=(1.0,), eval_batch_size=10)
+    images, labels = next(iter(build_eval_loader(config)))
+    assert torch.equal(images[:, 0], torch.from_numpy(arrays["test"]).float() / 255)
+    assert labels.tolist() == list(range(10))
+
+    info = fashion.prepare(out, val_size=5, max_per_shard=10, image_format="png")  # rebuilt
+    assert info["image_format"] == "png" and info["splits"]["test"]["image_exts"] == ["png"]
+    png_images, _ = next(iter(build_eval_loader(config)))
+    assert torch.equal(png_images, images)  # the same pixels either way
