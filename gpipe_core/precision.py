@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .failure import collectives
 
-__all__ = ["PRECISIONS", "AutocastState", "LossScaler", "check_precision", "compute_dtype"]
+__all__ = ["PRECISIONS", "AutocastState", "LossScaler", "check_precision"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 _COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,12 +46,6 @@ def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)} "
                          "('fp32' leaves autocast to the caller)")
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype matrix products run in under ``precision``."""
-    check_precision(precision)
-    return _COMPUTE_DTYPES[precision]
 
 
 @dataclass(frozen=True)
