@@ -198,11 +198,7 @@ def _into_branch(child: Node, input_nr: int, grad: Tensor, targets: set[int],
     transpose and autocast's cast of the weight (``TBackward0``, ``ToCopyBackward0``), and the
     parameter has no hooks; else by an autograd call rooted at the edge. Runs under
     ``torch.no_grad()`` (the autograd call computes gradients there as anywhere)."""
-    chain = []
-    accumulator = child
-    while accumulator.name() in _PASS_THROUGH and len(chain) < 2:
-        chain.append(accumulator.name())
-        accumulator = accumulator.next_functions[0][0]
+    chain, accumulator = _pass_through(child)
     variable = getattr(accumulator, "variable", None)
     if variable is not None and id(variable) in targets and not _has_hooks(variable):
         if "TBackward0" not in chain and grad.shape != variable.shape:
@@ -214,10 +210,9 @@ def _into_branch(child: Node, input_nr: int, grad: Tensor, targets: set[int],
             grad = grad.to(variable.dtype)  # parameter's dtype
         _accumulate(variable, grad)
         return
-    if grad.dim() and child.name() == "ToCopyBackward0":  # an autocast cast of a bias
-        shape = _leaf_shape(child)
-        if shape is not None and grad.shape != shape:
-            grad = grad.sum_to_size(shape)
+    if grad.dim() and chain == ["ToCopyBackward0"] and variable is not None and (
+            grad.shape != variable.shape):  # an autocast cast of a bias: sum_to at the edge
+        grad = grad.sum_to_size(variable.shape)
     torch.autograd.backward([GradientEdge(child, input_nr)], [grad], inputs=params,
                             retain_graph=True)
 
@@ -227,12 +222,15 @@ def _into_branch(child: Node, input_nr: int, grad: Tensor, targets: set[int],
 _PASS_THROUGH = ("TBackward0", "ToCopyBackward0")
 
 
-def _leaf_shape(node: Node) -> torch.Size | None:
-    """The shape of the parameter below a chain of pass-through nodes (None if not a leaf)."""
-    while node.name() in _PASS_THROUGH:
-        node = node.next_functions[0][0]
-    variable = getattr(node, "variable", None)
-    return variable.shape if variable is not None else None
+def _pass_through(node: Node) -> tuple[list[str], Node | None]:
+    """The pass-through nodes from ``node`` down (at most a transpose and a cast) and the node
+    below them (a parameter's accumulator, or anything else)."""
+    chain: list[str] = []
+    below: Node | None = node
+    while below is not None and below.name() in _PASS_THROUGH and len(chain) < 2:
+        chain.append(below.name())
+        below = below.next_functions[0][0]
+    return chain, below
 
 
 def _has_hooks(param: Tensor) -> bool:
