@@ -14,6 +14,11 @@ with the data directory the only difference:
   before reading it) from building the loader to the end of ``--batches`` + 1 batches, worker
   start-up included; and its wall-clock images/s.
 
+- ``training`` (with ``--train-rounds R``): the default's own images/s, ``make
+  train-amoebanet`` (2 ranks under torchrun) for ``--train-steps`` steps on each data
+  directory, old and new alternating, ``images_per_second`` of its summary.json (training
+  only: start-up and the final evaluation excluded).
+
 The result is the median over rounds of each number, per pipeline, and the per-round ratios.
 CPU time is robust to other load on the machine; wall-clock images/s is not (the cores may be
 shared with other jobs: the load averages are in the provenance). Writes the rounds, medians
@@ -22,7 +27,8 @@ docs/reproduction/amoebanet_input.json).
 
     python scripts/bench_amoebanet_input.py [--rounds 7] [--batches 100]
         [--png-dir .cache/fashion_mnist_png] [--npy-dir .cache/fashion_mnist_npy]
-        [--runs old=DIR ... new=DIR ...] [--draft] [--tiny]
+        [--runs old=DIR ... new=DIR ...] [--train-rounds 0 --train-steps 60] [--draft]
+        [--tiny]
 
 Missing data directories are prepared (``python -m data.fashion_mnist.prepare
 --image-format png|npy``). ``--runs`` adds finished training runs (their summary.json and
@@ -38,6 +44,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,6 +101,21 @@ def measure_default_workers(config: AmoebaNetConfig, batches: int, epoch: int
     cpu = _children_cpu_s() - cpu0
     return {"cpu_ms_per_image": 1e3 * cpu / images, "images_per_second": images / wall,
             "images": images, "num_workers": config.num_workers}
+
+
+def measure_training(data_dir: Path, steps: int, out_dir: Path) -> dict[str, Any]:
+    """The default config trained for ``steps`` on 2 ranks; its summary's images/s."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               "127.0.0.1:0", "-m", "apps.amoebanet.train", f"--data_dir={data_dir}",
+               f"--out_dir={out_dir}", f"--train_steps={steps}", "--wandb_mode=disabled"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): "
+                           f"{result.stderr[-2000:]}")
+    summary = json.loads((out_dir / "summary.json").read_text())
+    return {"images_per_second": summary["images_per_second"], "steps": summary["steps"],
+            "train_minutes": summary["train_minutes"]}
 
 
 def tiny_data(root: Path) -> dict[str, Path]:
@@ -157,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--npy-dir", default=".cache/fashion_mnist_npy")
     parser.add_argument("--runs", nargs="*", default=[], help="old=DIR / new=DIR finished runs")
     parser.add_argument("--json", default=str(PUBLISHED / "amoebanet_input.json"))
+    parser.add_argument("--train-rounds", type=int, default=0,
+                        help="paired rounds of short default training runs (0 = none)")
+    parser.add_argument("--train-steps", type=int, default=60, help="steps per training run")
     parser.add_argument("--tiny", action="store_true", help="synthetic shards (for tests)")
     add_draft_argument(parser)
     args = parser.parse_args(argv)
@@ -188,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} {record[name]['in_process']['cpu_ms_per_image']:.3f} ms/image "
                 f"({record[name]['default_workers']['cpu_ms_per_image']:.3f} with workers)"
                 for name in PIPELINES), flush=True)
+        training = []
+        for index in range(args.train_rounds):
+            order = PIPELINES if index % 2 == 0 else PIPELINES[::-1]
+            record = {"order": list(order)}
+            for name in order:
+                record[name] = measure_training(dirs[name], args.train_steps,
+                                                Path(tmp) / f"run-{index}-{name}")
+            training.append(record)
+            print(f"training round {index}: " + ", ".join(
+                f"{name} {record[name]['images_per_second']:.1f} images/s" for name in PIPELINES),
+                flush=True)
 
     def median(name: str, mode: str, key: str) -> float:
         return statistics.median(r[name][mode][key] for r in rounds)
@@ -217,6 +253,16 @@ def main(argv: list[str] | None = None) -> int:
                 "worker is joined) does not depend on other load; wall-clock images/s does, and "
                 "the cores were shared with other engineers' jobs (load averages in "
                 "provenance): old and new alternate within each round",
+        "training": {
+            "steps_per_run": args.train_steps,
+            "median_images_per_second": {
+                name: statistics.median(r[name]["images_per_second"] for r in training)
+                for name in PIPELINES} if training else None,
+            "median_ratio_new_over_old": statistics.median(
+                r["new"]["images_per_second"] / r["old"]["images_per_second"]
+                for r in training) if training else None,
+            "rounds": training,
+        },
         "training_runs": read_runs(args.runs),
         "rounds": rounds,
         "provenance": provenance(load_before),
