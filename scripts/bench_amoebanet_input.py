@@ -173,7 +173,9 @@ def _yaml_value(path: Path, key: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="paired rounds of loader measurements (0 = none: only --runs or "
+                             "--train-rounds)")
     parser.add_argument("--batches", type=int, default=100, help="timed batches per measurement")
     parser.add_argument("--png-dir", default=".cache/fashion_mnist_png")
     parser.add_argument("--npy-dir", default=".cache/fashion_mnist_npy")
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     def median(name: str, mode: str, key: str) -> float:
         return statistics.median(r[name][mode][key] for r in rounds)
 
-    medians = {name: {mode: {key: median(name, mode, key)
+    medians = {name: {mode: {key: median(name, mode, key) if rounds else None
                              for key in ("cpu_ms_per_image", "images_per_second")}
                       for mode in ("in_process", "default_workers")} for name in PIPELINES}
     ratios = [r["old"]["in_process"]["cpu_ms_per_image"] / r["new"]["in_process"]
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "batches_per_measurement": args.batches,
         "target_cpu_ms_per_image": 0.3,
         "median": medians,
-        "median_cpu_ratio_old_over_new": statistics.median(ratios),
+        "median_cpu_ratio_old_over_new": statistics.median(ratios) if ratios else None,
         "note": "CPU time (process time; with workers: RUSAGE_SELF + RUSAGE_CHILDREN after the "
                 "worker is joined) does not depend on other load; wall-clock images/s does, and "
                 "the cores were shared with other engineers' jobs (load averages in "
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": provenance(load_before),
     }
     path = write_json(args.json, result)
-    for name in PIPELINES:
+    for name in PIPELINES if rounds else ():
         print(f"{name}: {medians[name]['in_process']['cpu_ms_per_image']:.3f} ms CPU/image "
               f"(loader alone), {medians[name]['default_workers']['cpu_ms_per_image']:.3f} with "
               f"its worker; {medians[name]['default_workers']['images_per_second']:.0f} images/s")
