@@ -53,7 +53,8 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
             items = [_coerce(name, v, item_type) for v in value]
         except ConfigError as error:
             form = "; give a list as 2,2 or [2, 2]" if "is not a valid" in str(error) else ""
-            raise ConfigError(f"{error} (in {name}={given!r}){form}") from None
+            said = str(error).removesuffix("; give a whole number").removesuffix("; give a number")
+            raise ConfigError(f"{said} (in {name}={given!r}){form}") from None
         return tuple(items) if origin is tuple else items
     if annotation is bool:
         if isinstance(value, bool):
@@ -64,19 +65,52 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         if text in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{name}={value!r} is not a boolean; use true or false")
-    if annotation in (int, float, str):
+    if annotation is int:
+        return _integer(name, value)
+    if annotation in (float, str):
+        if annotation is float and isinstance(value, bool):  # YAML's `lr: true`
+            raise ConfigError(f"{name}={value!r} is not a valid float; give a number")
         try:
-            if annotation is int and isinstance(value, str):
-                return int(float(value)) if "e" in value.lower() else int(value)
             result = annotation(value)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(
-                f"{name}={value!r} is not a valid {annotation.__name__}"
+                f"{name}={value!r} is not a valid {annotation.__name__}; give a number"
             ) from exc
         if annotation is float:
             check_finite(name, result)
         return result
     return value
+
+
+def _integer(name: str, value: Any) -> int:
+    """An integer option's value: a whole number, also written ``2e3`` or ``2.0``; a fraction
+    (``2.5``, ``2.5e0``, ``1e-3``), NaN, infinity or a boolean is an error, never truncated
+    (``int(float("1e-3"))`` is 0, which means "no cap" for max_steps)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is not a valid int (a boolean); give a whole number")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        number = value
+    else:
+        text = str(value).strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            number = float(text)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a valid int; give a whole number") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{name}={value!r} is not a valid int (not a finite number); give a "
+                          "whole number")
+    if not number.is_integer():
+        raise ConfigError(
+            f"{name}={value!r} is not a whole number; give an integer such as "
+            f"{math.floor(number)} or {math.ceil(number)}"
+        )
+    return int(number)
 
 
 def check_finite(name: str, value: float) -> None:

@@ -27,7 +27,6 @@ with a warning on stderr. An image of more than ``--max-image-pixels`` pixels (d
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -46,6 +45,7 @@ from apps.amoebanet.evaluate import TRAIN_COMMAND, load_model
 from apps.amoebanet.model import min_image_size
 from apps.config import ConfigError
 from apps.harness.checkpoints import CheckpointError, require_app, resolve_checkpoint
+from apps.validation import CommandParser, device_name, threads
 
 __all__ = ["ImageError", "checkpoint_classes", "load_images", "main", "top_classes"]
 
@@ -151,7 +151,7 @@ def top_classes(model: torch.nn.Module, images: Tensor, classes: Sequence[str], 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m apps.amoebanet.classify",
         description="Top-5 classes with probabilities of image files, with an apps.amoebanet "
         "checkpoint (the checkpoint's eval transforms).",
@@ -162,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ckpt", default="runs/amoebanet", help="run out_dir or step-* folder")
     parser.add_argument("--top", type=int, default=5, help="classes per image (default 5)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=threads(), default=None, help="torch CPU threads")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda")
     parser.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
                         help="refuse larger images, a guard against decompression bombs "
                         f"(default {MAX_IMAGE_PIXELS:,}, PIL's; 0 = no limit)")

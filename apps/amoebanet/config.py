@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from apps.amoebanet.model import build_amoebanet, check_image_size
+from apps.amoebanet.model import build_amoebanet, cell_layout, check_image_size
 from apps.config import ConfigError, load_config, parse_overrides
 from apps.harness.checkpoints import KEEP_CHECKPOINTS
 from apps.harness.pipeline import check_pipeline_options
+from apps.validation import check_balance, check_text, check_timeout
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # `make train-amoebanet` with no arguments uses this one (CPU, Fashion-MNIST, 2 stages).
@@ -114,6 +115,7 @@ class AmoebaNetConfig:
 
 GENOTYPE_CHOICES = ("D", "B")
 DATASET_CHOICES = ("fashion_mnist", "imagenet", "shards")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
@@ -121,15 +123,12 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
     choices = {
         "genotype": (config.genotype.upper(), GENOTYPE_CHOICES),
         "dataset": (config.dataset, DATASET_CHOICES),
+        "wandb_mode": (config.wandb_mode, WANDB_MODES),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    if len(config.mean) != config.in_chans or len(config.std) != config.in_chans:
-        raise ConfigError(
-            f"mean={config.mean} and std={config.std} need one value per channel "
-            f"(in_chans={config.in_chans})"
-        )
+    check_optimizer(config.optimizer)
     positive = ("num_normal_cells", "filters", "num_classes", "in_chans", "image_size",
                 "stem_stride", "batch_size", "eval_batch_size", "num_stages", "chunks", "epochs",
                 "log_every", "timeout_s")
@@ -142,6 +141,17 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
                 "goal_steps", "max_steps"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
+    if len(config.mean) != config.in_chans or len(config.std) != config.in_chans:
+        raise ConfigError(
+            f"mean={config.mean} and std={config.std} need one value per channel "
+            f"(in_chans={config.in_chans}); give {config.in_chans} value(s) to each, e.g. "
+            f"--mean={','.join(['0.5'] * config.in_chans)}"
+        )
+    for key in ("seed", "shuffle_buffer"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
+    check_timeout(config.timeout_s)
+    check_text(config)
     for key in ("lr", "opt_eps", "decay_epochs", "decay_rate"):
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be positive")
@@ -164,11 +174,37 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
     check_pipeline_options(schedule=config.schedule, checkpoint=config.checkpoint,
                            num_stages=config.num_stages, chunks=config.chunks,
                            precision=config.precision)
+    layers = num_model_layers(config)
+    if config.num_stages > layers:
+        raise ConfigError(
+            f"num_stages={config.num_stages} exceeds the model's {layers} layers (stem, "
+            f"{layers - 2} cells, classifier); use fewer stages or more num_normal_cells"
+        )
+    check_balance(config.balance, num_stages=config.num_stages, num_layers=layers,
+                  layers=f"stem + {layers - 2} cells + classifier")
     try:
         check_image_size(config.image_size, config.image_size, config.stem_stride)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return config
+
+
+def check_optimizer(name: str) -> None:
+    """ConfigError unless timm's ``create_optimizer_v2`` knows ``name`` (a ``lookahead_``
+    prefix allowed): before any process group, not at the optimizer's creation on each rank."""
+    from timm.optim import list_optimizers
+
+    known = list_optimizers()
+    if name.lower().split("_")[-1] not in known:
+        raise ConfigError(
+            f"optimizer={name!r} is not one of timm's optimizers; use one of "
+            f"{' '.join(known)} (timm.optim.list_optimizers())"
+        )
+
+
+def num_model_layers(config: AmoebaNetConfig) -> int:
+    """Length of the model's nn.Sequential: the stem, the cells and the classifier."""
+    return 2 + len(cell_layout(config.num_normal_cells))
 
 
 def load_amoebanet_config(argv: Sequence[str] = ()) -> AmoebaNetConfig:

@@ -32,7 +32,6 @@ writes the report.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -64,6 +63,7 @@ from apps.harness.checkpoints import (
     unpin,
 )
 from apps.harness.run import Run, end_run, setup_run
+from apps.validation import CommandParser, at_least, device_name, threads
 
 TRAIN_COMMAND = (
     "python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
@@ -298,7 +298,7 @@ def evaluate_pipelined(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m apps.amoebanet.evaluate",
         description="Top-1 / top-5 and the confusion matrix of an apps.amoebanet checkpoint.",
         epilog="Any other --key=value overrides the checkpoint's config (e.g. --data_dir=...).",
@@ -308,9 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split", default="test", help="split of the dataset (test, val, train)")
     parser.add_argument("--out", default=None,
                         help="write <out>.json and <out>.png (default: <out_dir>/eval_<split>)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--stages", type=int, default=None,
+    parser.add_argument("--threads", type=threads(), default=None, help="torch CPU threads")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda")
+    parser.add_argument("--stages", type=at_least("--stages", 1, "pipeline stages"), default=None,
                         help="under torchrun: pipeline stages (default: the world size)")
     args, overrides = parser.parse_known_args(argv)
     if args.threads:

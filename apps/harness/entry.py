@@ -27,7 +27,7 @@ def run_main(main: Callable[[], Any], *, command: str,
              errors: tuple[type[BaseException], ...] = ()) -> None:
     """A train script's entry point under torchrun: an error the user can fix (``CLEAR_ERRORS``
     and ``errors``) prints one line, once for the run rather than once per rank, and exits with
-    status 1 instead of a traceback per rank; it is also recorded in the c10d store, so the
+    status 2 for a bad option (ConfigError) or 1 for the others, instead of a traceback per rank; it is also recorded in the c10d store, so the
     other ranks name it (see gp.report_failure). ``command`` is how to launch it with torchrun.
     """
     if not all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
@@ -46,7 +46,7 @@ def run_main(main: Callable[[], Any], *, command: str,
         if _first_to_say(error):
             _close_progress_bars()
             print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(2 if isinstance(error, ConfigError) else 1)  # 2: a usage error, as argparse
     except Exception as error:
         # a bug: its traceback follows, but the other ranks name it rather than a hang
         gp.report_failure(error)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import gpipe_core as gp
 from apps.budget import BudgetChoice, RunLength
-from apps.config import save_config
+from apps.config import ConfigError, save_config
 from apps.harness.checkpoints import (
     check_resumable,
     checkpoint_dir,
@@ -54,6 +54,7 @@ from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run, setup_run
 from apps.harness.run_log import RunLogger
 from apps.harness.writes import guarded_write
+from apps.validation import check_world
 
 # what the stop vote says (TrainingLoop.vote), besides None (go on)
 STOP = "stop"  # rank 0 ends the run (a budget, the clock)
@@ -66,11 +67,16 @@ def every(step: int, period: int) -> bool:
 
 
 def start_run(config: Any, *, device: str, num_threads: int) -> Run:
-    """Check ``config.out_dir`` (every rank, before any process group: one line), start the
+    """Check that the world is whole pipelines of ``config.num_stages`` ranks, the device, and
+    ``config.out_dir`` (every rank, before any process group: one line), start the
     process groups (every collective fails within ``config.timeout_s``, naming the rank that
     hangs; the long waits are on the store, ``on_rank0``) and lock out_dir on rank 0 until it
     exits (one run per out_dir at a time)."""
     out_dir = Path(config.out_dir)
+    check_world(config.num_stages)  # num_stages against the ranks torchrun started
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but this machine has no CUDA GPU that torch can use; "
+                          "give device=cpu (or device=auto)")
     check_out_dir(out_dir)
     run = setup_run(num_stages=config.num_stages, device=device, num_threads=num_threads,
                     timeout_s=config.timeout_s, pin_cpus=config.pin_cpus,

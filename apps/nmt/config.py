@@ -14,6 +14,7 @@ from apps.config import ConfigError, load_config, parse_overrides
 from apps.harness.checkpoints import KEEP_CHECKPOINTS
 from apps.harness.pipeline import check_pipeline_options
 from apps.nmt.model import NORMS, transformer
+from apps.validation import check_balance, check_text, check_timeout
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -167,10 +168,12 @@ class NMTConfig:
             "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every keep_checkpoints "
             "max_train_tokens max_loss_factor length_penalty train_steps budget_minutes goal_steps"
         )
-        for name in non_negative.split():
+        for name in (*non_negative.split(), "seed", "corpus_seed"):
             value = getattr(self, name)
             if value < 0:
                 raise ConfigError(f"{name}={value} must be >= 0")
+        check_timeout(self.timeout_s)
+        check_text(self)
         for name in ("dropout", "attention_dropout", "label_smoothing", "adam_beta1",
                      "adam_beta2"):
             value = getattr(self, name)
@@ -238,14 +241,8 @@ class NMTConfig:
                 f"num_stages={self.num_stages} exceeds the model's {self.num_model_layers} layers "
                 f"(2 * num_layers + 2); use fewer stages or more layers"
             )
-        if self.balance is not None:
-            if len(self.balance) != self.num_stages or sum(self.balance) != self.num_model_layers:
-                raise ConfigError(
-                    f"balance={self.balance} must have num_stages={self.num_stages} entries "
-                    f"summing to the model's {self.num_model_layers} layers (2 * num_layers + 2)"
-                )
-            if min(self.balance) <= 0:
-                raise ConfigError(f"balance={self.balance} must give every stage a layer")
+        check_balance(self.balance, num_stages=self.num_stages,
+                      num_layers=self.num_model_layers, layers="2 * num_layers + 2")
         if self.tie_output and self.num_stages > 1:
             raise ConfigError(
                 f"tie_output=true shares one table between the first and last layer, which "

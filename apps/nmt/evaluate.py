@@ -22,7 +22,6 @@ Rank 0 prints and writes the report.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import math
@@ -54,6 +53,7 @@ from apps.nmt.data import (
     resource_buckets,
 )
 from apps.nmt.search import beam_search
+from apps.validation import CommandParser, at_least, device_name, threads
 
 __all__ = [
     "Sentence",
@@ -631,27 +631,29 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m apps.nmt.evaluate",
         description="BLEU/chrF per language and resource bucket of an apps.nmt checkpoint.",
     )
     parser.add_argument("--ckpt", default="runs/nmt", help="run out_dir or a step-* directory")
     parser.add_argument("--split", default="test", choices=["dev", "test"])
-    parser.add_argument("--beam", type=int, default=None, help="beam size (config: beam_size)")
+    parser.add_argument("--beam", type=at_least("--beam", 1, "beam width, 1 = greedy"),
+                        default=None, help="beam size (config: beam_size)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="GNMT length penalty (config: length_penalty)")
-    parser.add_argument("--max-per-lang", type=int, default=None,
+    parser.add_argument("--max-per-lang", type=at_least("--max-per-lang", 1, "sentences per "
+                                                        "language"), default=None,
                         help="first N sentences of each language (default: all)")
     parser.add_argument("--languages", default=None, help="comma-separated (default: trained)")
     parser.add_argument("--data-dir", default=None, help="corpus directory (default: config's)")
     parser.add_argument("--out", default=None,
                         help="write <out>.json and <out>.png (default: <ckpt>/<split>_bleu)")
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads", type=threads(), default=1,
         help="torch CPU threads (1: beam search on small batches gains nothing from more, and "
         "on busy cores 2 threads measured 11x slower than 1)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = args.out or str(Path(args.ckpt) / f"{args.split}_bleu")

@@ -43,7 +43,6 @@ match, an unknown language, an unreadable input file) print one line and exit wi
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -65,6 +64,7 @@ from apps.nmt.evaluate import (
     load_checkpoint,
     translate,
 )
+from apps.validation import CommandParser, device_name, threads
 
 __all__ = ["encode_lines", "main", "translate_lines"]
 
@@ -129,7 +129,7 @@ def _groups(lines: Iterable[str], size: int) -> Iterator[list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m apps.nmt.translate",
         description="Translate lines of text to English with an apps.nmt checkpoint "
         "(stdin or --input to stdout, one line per line; an empty line gives an empty line).",
@@ -147,8 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-lines", type=int, default=32,
                         help="lines read and translated together (default 32)")
     parser.add_argument("--data-dir", default=None, help="corpus directory (default: config's)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=threads(), default=1,
+                        help="torch CPU threads (default 1)")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     for stream in (sys.stdin, sys.stdout):  # text in any language, whatever the locale says

@@ -224,7 +224,9 @@ def test_the_inference_scripts_reject_a_nan_length_penalty(
 
 @pytest.mark.parametrize("form", ["{},{}", "[{},{}]", "[{}, {}]", "({},{})"])
 def test_balance_accepts_the_list_syntax(form: str) -> None:
-    assert load_amoebanet_config([f"--balance={form.format(5, 4)}"]).balance == (5, 4)
+    # AmoebaNet's default: stem + 10 cells + classifier = 12 layers (balance is checked
+    # against the model now: (5, 4) was accepted before, and failed on every rank)
+    assert load_amoebanet_config([f"--balance={form.format(7, 5)}"]).balance == (7, 5)
     # NMT: 2 * 3 + 2 = 8 layers
     assert load_nmt_config(["--num_layers=3", f"--balance={form.format(5, 3)}"]).balance == [5, 3]
 
