@@ -16,6 +16,7 @@ from .pipe import GPipe
 from .plan import NoPlanFits, Plan, plan, plan_largest
 from .precision import PRECISIONS, LossScaler
 from .profile import profile_stages, profile_timeline
+from .remat import Remat
 from .schedule import (
     Action,
     Schedule,
@@ -39,6 +40,7 @@ from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 
 __all__ = [
     "GPipe",
+    "Remat",
     "DistributedGPipe",
     "LossScaler",
     "PRECISIONS",

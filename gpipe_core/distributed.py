@@ -31,7 +31,7 @@ point-to-point messages, timeout and failure naming (:class:`~gpipe_core.Channel
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import Balance, split_module, verify_module
 from .precision import LossScaler, check_precision
 from .profile import profile_timeline
-from .remat import check_pipeline_args, fork_rng
+from .remat import Checkpoint, check_pipeline_args, fork_rng
 from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Action, Schedule, check_in_order_matching, get_schedule
 from .shards import load_shards, save_stage_checkpoint, shard_name
@@ -72,7 +72,9 @@ class DistributedGPipe(StepCounter, nn.Module):
         balance: layers per stage; ``len(balance)`` equals the pipeline group's size, or a
             multiple of it with a schedule of virtual stages (several stages per rank).
         chunks: micro-batches per step (M).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``; or per stage the layers
+            whose activations are kept (a :class:`~gpipe_core.Remat`, or one set of layer
+            indices within the stage per stage), the rest recomputed in backward.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"``, ``"1f1b_slack1"`` (1F1B with one more
             forward ahead on every stage but the last: hides message latency for one more
             micro-batch's activations; see :func:`~gpipe_core.one_f_one_b`), ``"zb_h1"`` or
@@ -118,7 +120,7 @@ class DistributedGPipe(StepCounter, nn.Module):
         balance: Sequence[int],
         *,
         chunks: int,
-        checkpoint: str = "except_last",
+        checkpoint: Checkpoint | Sequence[Collection[int]] = "except_last",
         schedule: str | Callable[[int, int], Schedule] = "gpipe",
         loss_fn: LossFn,
         loss_reduction: str = "mean",
@@ -138,7 +140,7 @@ class DistributedGPipe(StepCounter, nn.Module):
         super().__init__()
         _require_distributed()
         verify_module(module)
-        check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
+        checkpoint = check_pipeline_args(chunks=chunks, checkpoint=checkpoint, balance=balance)
         check_precision(precision)
         if loss_scaler is not None and precision != "fp16":
             raise ValueError(f"loss_scaler= is for precision='fp16' (got precision="
@@ -472,7 +474,7 @@ class DistributedGPipe(StepCounter, nn.Module):
         merged = gather_timelines(self.timeline, group=self.group)
         used = {Action.parse(e.action).mb for e in merged}
         m = max(used) + 1 if used else self.chunks
-        return profile_timeline(merged, self.schedule(m), checkpoint=self.checkpoint,
+        return profile_timeline(merged, self.schedule(m), checkpoint=str(self.checkpoint),
                                 transfer=transfer)
 
     def trace(self, json_path: str | Path, png_path: str | Path | None = None) -> None:
@@ -511,7 +513,7 @@ class DistributedGPipe(StepCounter, nn.Module):
             balance=tuple(self.balance), placement=tuple(self.placement),
             num_ranks=self.num_ranks,
             schedule=name if isinstance(name, str) else None, chunks=self.chunks,
-            checkpoint=self.checkpoint, loss_reduction=self.loss_reduction,
+            checkpoint=str(self.checkpoint), loss_reduction=self.loss_reduction,
             deferred_batch_norm=self.deferred_batch_norm, tied=self.tied, seed=self.seed,
             steps_done=self.steps_done,
         )

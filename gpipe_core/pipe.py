@@ -15,7 +15,7 @@ when re-materialized) and accumulates into that stage's parameters' ``.grad``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from .batchnorm import DeferredBatchNorm
 from .microbatch import flatten, gather, scatter, unflatten
 from .partition import split_module, verify_module
 from .precision import check_precision
-from .remat import check_pipeline_args
+from .remat import Checkpoint, check_pipeline_args
 from .runtime import StageRuntime, StepCounter, StepState
 from .schedule import Action, Schedule, fill_drain
 from .stage import Stage
@@ -47,7 +47,10 @@ class GPipe(StepCounter, nn.Module):
         devices: one device per partition (default: all on CPU). Several partitions may share a
             device (the paper's "Pipeline-1").
         chunks: number of micro-batches M; a batch smaller than M uses one per sample.
-        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``; or
+            per stage the layers whose activations are kept, the rest recomputed in backward
+            (a :class:`~gpipe_core.Remat`, or one set of layer indices within the stage per
+            stage: ``[{0, 1}, set()]``).
         deferred_batch_norm: track BatchNorm running statistics over the whole mini-batch.
         seed: base of the per-layer random streams (default: ``torch.initial_seed()``).
         precision: ``"fp32"`` runs as called (under the caller's ``torch.autocast``, if any);
@@ -66,14 +69,14 @@ class GPipe(StepCounter, nn.Module):
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        checkpoint: Checkpoint | Sequence[Collection[int]] = "except_last",
         deferred_batch_norm: bool = False,
         seed: int | None = None,
         precision: str = "fp32",
     ) -> None:
         super().__init__()
         verify_module(module)
-        check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
+        checkpoint = check_pipeline_args(chunks=chunks, checkpoint=checkpoint, balance=balance)
         check_precision(precision)
         partitions = split_module(module, balance)
         if devices is None:

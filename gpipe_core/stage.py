@@ -4,6 +4,15 @@ For every micro-batch a stage keeps what its backward will need, and frees it in
 
     re-materialized:  the partition's input only; the forward runs again, with autograd, in B
     kept:             the input and the forward's autograd graph
+    selective:        (a :class:`~gpipe_core.remat.Remat`) the partition as runs of layers, each
+                      from its own detached input: a kept run's graph, a recomputed run's input
+
+A selective micro-batch's backward goes through the runs from the last to the first: a
+recomputed run's forward runs again from its input, then autograd takes the gradient from the
+run's outputs to its input, which is the gradient of the previous run's outputs::
+
+    input -> [run 0: kept graph] -> leaf -> [run 1: input only] -> leaf -> [run 2: kept] -> out
+              B3: backward <- grad   B2: recompute, backward <- grad   B1: backward <- grad_out
 
 The backward runs whole (B, :meth:`Stage.backward`) or in two parts (zero-bubble schedules):
 I (:meth:`Stage.backward_input`) returns the inputs' gradient and keeps the graph, with the
@@ -31,7 +40,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .batchnorm import DeferredBatchNorm, frozen_running_stats
 from .microbatch import flatten, unflatten
 from .precision import AutocastState, check_precision
-from .remat import checkpoint_stop, fork_rng, layer_seeds, seed_rng
+from .remat import (
+    Checkpoint,
+    Remat,
+    as_checkpoint,
+    checkpoint_stop,
+    fork_rng,
+    layer_seeds,
+    seed_rng,
+)
 from .split_backward import PendingWeights
 from .split_backward import backward_input as split_backward_input
 
@@ -50,6 +67,20 @@ class _Saved:
     outputs: Any | None
     targets: Any
     autocast: AutocastState | None = None  # re-materialized: the state its forward ran in
+    pending: PendingWeights | None = None  # after I: what W needs
+    runs: list[_Run] | None = None  # selective re-materialization: the runs, in order
+
+
+@dataclass
+class _Run:
+    """One run of layers ``[start, stop)`` of a selectively re-materialized micro-batch: its
+    detached input leaves and, unless recomputed (None until its backward), its outputs."""
+
+    start: int
+    stop: int
+    inputs: list[Any]
+    spec: Any
+    outputs: Any | None
     pending: PendingWeights | None = None  # after I: what W needs
 
 
@@ -79,7 +110,7 @@ class Stage(StagePosition):
         num_stages: int,
         first_layer_index: int,
         device: torch.device,
-        checkpoint: str,
+        checkpoint: Checkpoint,
         seed: int,
         loss_fn: LossFn | None = None,
         loss_scale: float | Callable[[int], float] | None = None,
@@ -94,7 +125,20 @@ class Stage(StagePosition):
         self.num_stages = num_stages
         self.first_layer_index = first_layer_index
         self.device = device
-        self.checkpoint = checkpoint
+        self.checkpoint = as_checkpoint(checkpoint)
+        # a Remat: this stage's layers as runs (start, stop, kept); None: a mode for all layers
+        self._runs: list[tuple[int, int, bool]] | None = None
+        if isinstance(self.checkpoint, Remat):
+            remat = self.checkpoint
+            if stage_index >= remat.num_stages:
+                raise ValueError(f"checkpoint gives kept layers for {remat.num_stages} stages; "
+                                 f"stage {stage_index} has none: give one set per stage")
+            outside = sorted(i for i in remat.keep[stage_index] if i >= len(self.layers))
+            if outside:
+                raise ValueError(f"checkpoint keeps layers {outside} of stage {stage_index}, "
+                                 f"which has {len(self.layers)} layers; indices count from each "
+                                 "stage's first layer")
+            self._runs = remat.runs(stage_index, len(self.layers))
         self.seed = seed
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
@@ -103,7 +147,7 @@ class Stage(StagePosition):
         self.precision = precision
         # fp16 loss scaling: backward starts from the loss times this (the stored loss is not)
         self.grad_scale = 1.0
-        checkpoint_stop(checkpoint, 1)  # validates the mode early
+        checkpoint_stop(self.checkpoint, 1)  # validates the mode early
         self._batchnorms = [
             m for _, layer in self.layers for m in layer.modules() if isinstance(m, _BatchNorm)
         ]
@@ -161,8 +205,11 @@ class Stage(StagePosition):
         rematerialize = grad_enabled and mb < checkpoint_stop(self.checkpoint, num_microbatches)
         # the autocast this forward runs in; a recomputation must run in it again
         autocast = AutocastState.current(self.device, self.precision)
+        runs: list[_Run] | None = None
         with autocast.applied(self.device):
-            if rematerialize:
+            if rematerialize and self._runs is not None:
+                outputs, loss, kept, runs = self._forward_runs(step, mb, leaves, spec, targets)
+            elif rematerialize:
                 with torch.no_grad():
                     outputs = self._run_layers(step, mb, unflatten(leaves, spec))
                     loss = self._loss(step, mb, outputs, targets)
@@ -175,7 +222,7 @@ class Stage(StagePosition):
                 kept = loss if loss is not None else outputs
         if grad_enabled:
             self._saved[(step, mb)] = _Saved(leaves, spec, kept, targets,
-                                             autocast if rematerialize else None)
+                                             autocast if rematerialize else None, runs=runs)
         if loss is not None:
             self.losses[(step, mb)] = loss.detach()
         self._forwards_done[step] += 1
@@ -183,6 +230,32 @@ class Stage(StagePosition):
             for bn in self._deferred:
                 bn.commit()
         return outputs
+
+    def _forward_runs(self, step: int, mb: int, leaves: list[Any], spec: Any, targets: Any
+                      ) -> tuple[Any, Tensor | None, Any, list[_Run]]:
+        """The selective forward: each run from its own detached input, a kept run with
+        autograd, a recomputed one without (its outputs flagged as differentiable, as a
+        re-materialized partition's are). Returns outputs, loss, what the last run keeps (the
+        stage's ``_Saved.outputs``, unused by the backward) and the runs."""
+        assert self._runs is not None
+        needs_grad = self._needs_grad(leaves)
+        runs: list[_Run] = []
+        outputs: Any = None
+        loss: Tensor | None = None
+        for start, stop, kept in self._runs:
+            if runs:  # the previous run's outputs, detached: this run's input
+                leaves, spec = flatten(outputs)
+                leaves = [_as_input_leaf(x, True) for x in leaves]
+            last = stop == len(self.layers)
+            with nullcontext() if kept else torch.no_grad():
+                outputs = self._run_layers(step, mb, unflatten(leaves, spec), start, stop)
+                if last:
+                    loss = self._loss(step, mb, outputs, targets)
+            if not kept and needs_grad:
+                outputs = _mark_requires_grad(outputs)
+            held = (loss if loss is not None else outputs) if kept else None
+            runs.append(_Run(start, stop, leaves, spec, held))
+        return outputs, loss, runs[-1].outputs, runs
 
     def _needs_grad(self, leaves: list[Any]) -> bool:
         """Would autograd have tracked this partition's forward?"""
@@ -204,10 +277,14 @@ class Stage(StagePosition):
             scale = scale(self._num_microbatches[step])
         return loss * scale if scale is not None and scale != 1.0 else loss
 
-    def _run_layers(self, step: int, mb: int, x: Any) -> Any:
-        seeds = layer_seeds(self.seed, step, mb, self.first_layer_index, len(self.layers))
+    def _run_layers(self, step: int, mb: int, x: Any, start: int = 0,
+                    stop: int | None = None) -> Any:
+        """Layers ``[start, stop)`` of the stage (default all) on ``x``, each seeded."""
+        layers = self.layers[start:stop]
+        seeds = layer_seeds(self.seed, step, mb, self.first_layer_index + start, len(layers))
         with fork_rng([self.device]) if self.restore_rng else nullcontext():
-            for offset, ((name, layer), seed) in enumerate(zip(self.layers, seeds, strict=True)):
+            for offset, ((name, layer), seed) in enumerate(zip(layers, seeds, strict=True),
+                                                          start=start):
                 seed_rng(seed, self.device)
                 x = layer(x)
                 if not isinstance(x, Tensor):
@@ -223,6 +300,8 @@ class Stage(StagePosition):
         pipeline with a ``loss_fn`` passes None and backpropagates its stored loss.
         """
         saved = self._take(step, mb, "backward")
+        if saved.runs is not None:
+            return self._backward_runs(step, mb, saved, grad_outputs, split=False)
         with self._rebuilding(saved):
             tensors, grads = self._backward_roots(step, mb, saved, grad_outputs)
             if tensors and tensors[0].requires_grad:
@@ -241,6 +320,8 @@ class Stage(StagePosition):
                 f"stage {self.stage_index} cannot run backward_input for micro-batch {mb} of "
                 f"step {step}: {'no forward state' if saved is None else 'it already ran'}"
             )
+        if saved.runs is not None:
+            return self._backward_runs(step, mb, saved, grad_outputs, split=True)
         with self._rebuilding(saved):
             tensors, grads = self._backward_roots(step, mb, saved, grad_outputs)
             if tensors and not tensors[0].requires_grad:
@@ -261,6 +342,9 @@ class Stage(StagePosition):
             )
         del self._saved[(step, mb)]
         with torch.enable_grad():
+            for run in reversed(saved.runs or []):  # selective: each run's own part, last first
+                assert run.pending is not None
+                run.pending.run()
             saved.pending.run()
 
     def _take(self, step: int, mb: int, what: str) -> _Saved:
@@ -280,8 +364,9 @@ class Stage(StagePosition):
         as the first forward left them. The context encloses the backward: a buffer restored
         by copy (BatchNorm subclasses with their own forward) may still be read there. W runs
         outside it; with such a layer, use B (or no re-materialization) instead of I/W."""
-        frozen = (frozen_running_stats(self._batchnorms) if saved.outputs is None
-                  else nullcontext())
+        recomputes = (saved.outputs is None if saved.runs is None
+                      else any(run.outputs is None for run in saved.runs))
+        frozen = frozen_running_stats(self._batchnorms) if recomputes else nullcontext()
         with torch.enable_grad(), frozen:
             yield
 
@@ -298,7 +383,13 @@ class Stage(StagePosition):
                 if self.loss_fn is not None:
                     outputs = self._loss(step, mb, outputs, saved.targets)
             saved.outputs = outputs
-        if self.loss_fn is not None:
+        return self._roots(mb, outputs, grad_outputs, self.loss_fn is not None)
+
+    def _roots(self, mb: int, outputs: Any, grad_outputs: Grads | None, is_loss: bool
+               ) -> tuple[list[Tensor], list[Tensor | None]]:
+        """The tensors of ``outputs`` to backpropagate from (the loss, or the outputs that
+        require grad and have a gradient) and their gradients."""
+        if is_loss:
             assert isinstance(outputs, Tensor)
             if self.grad_scale != 1.0:  # as GradScaler.scale: a float32 0-dim multiplier
                 outputs = outputs * torch.tensor(self.grad_scale, dtype=torch.float32,
@@ -318,6 +409,45 @@ class Stage(StagePosition):
             if isinstance(o, Tensor) and o.requires_grad and g is not None
         ]
         return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_runs(self, step: int, mb: int, saved: _Saved, grad_outputs: Grads | None,
+                       *, split: bool) -> Grads:
+        """A selective micro-batch's backward (B), or its I (``split``: each run's W kept in
+        the run), through the runs from the last to the first; returns the input gradients."""
+        assert saved.runs is not None
+        grads = grad_outputs
+        params = self._parameters_requiring_grad(step)
+        with self._rebuilding(saved):
+            for run in reversed(saved.runs):
+                outputs = run.outputs
+                last = run.stop == len(self.layers)
+                if outputs is None:
+                    assert saved.autocast is not None  # saved with every selective forward
+                    with saved.autocast.applied(self.device):
+                        outputs = self._run_layers(step, mb, unflatten(run.inputs, run.spec),
+                                                   run.start, run.stop)
+                        if last and self.loss_fn is not None:
+                            outputs = self._loss(step, mb, outputs, saved.targets)
+                    run.outputs = outputs
+                tensors, root_grads = self._roots(mb, outputs, grads,
+                                                  last and self.loss_fn is not None)
+                if split:
+                    if tensors and not tensors[0].requires_grad:
+                        tensors, root_grads = [], []
+                    mine = {id(p) for _, layer in self.layers[run.start:run.stop]
+                            for p in layer.parameters()}
+                    grads, run.pending = split_backward_input(
+                        tensors, root_grads, run.inputs, [p for p in params if id(p) in mine])
+                else:
+                    if tensors and tensors[0].requires_grad:
+                        torch.autograd.backward(tensors, root_grads)  # type: ignore[arg-type]
+                    grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None
+                             for x in run.inputs]
+                    run.outputs = None  # this run's graph is spent; free it now
+        if split:  # W runs every run's part; the stage-level part has nothing to do
+            saved.pending = PendingWeights([], {})
+        assert grads is not None
+        return grads
 
     def _parameters_requiring_grad(self, step: int) -> list[Tensor]:
         """This stage's parameters that take gradients, as they are at ``step`` (a module
