@@ -21,6 +21,7 @@ from data.gettext_m2en.corpus_format import (
     TEXT_MEMBER,
     lang_tag,
     read_manifest,
+    shard_entry,
     temperature_probs,
 )
 
@@ -202,6 +203,48 @@ def _check_languages(
     return list(dict.fromkeys(languages))
 
 
+# shards whose size and SHA-256 were checked in this process: (path, size, mtime), so that a
+# run checks each once (the dev split is read again at every evaluation), not per read
+_VERIFIED: set[tuple[str, int, int]] = set()
+
+
+def _verify_shard(path: Path, entry: Mapping[str, Any] | None, rebuild: str) -> None:
+    """CorpusError naming ``path`` unless its size and SHA-256 are those manifest.json records
+    (``entry``; None: an older corpus that records none, read unchecked). Once per process."""
+    if entry is None:
+        return
+    status = path.stat()
+    key = (str(path.resolve()), status.st_size, status.st_mtime_ns)
+    if key in _VERIFIED:
+        return
+    if status.st_size != entry["bytes"]:
+        raise CorpusError(
+            f"corpus shard {path} is damaged ({status.st_size} bytes, but manifest.json "
+            f"records {entry['bytes']}: {'truncated' if status.st_size < entry['bytes'] else 'extended'}); {rebuild}"
+        )
+    if shard_entry(path)["sha256"] != entry["sha256"]:
+        raise CorpusError(
+            f"corpus shard {path} is damaged (its SHA-256 differs from the one manifest.json "
+            f"records: same size, altered bytes); {rebuild}"
+        )
+    _VERIFIED.add(key)
+
+
+def _check_ids(sample: Mapping[str, Any], vocab_size: int) -> None:
+    """ValueError unless every token id of a shard's ``sample`` is in [0, vocab_size): an id
+    past the vocabulary would fail inside the embedding as ``IndexError: index out of range in
+    self``, naming nothing; an id count that disagrees with the lengths is damage too."""
+    for ids, lengths in (("src.npy", "src_len.npy"), ("tgt.npy", "tgt_len.npy")):
+        values = sample[ids]
+        if len(values) != int(np.sum(sample[lengths])):
+            raise ValueError(f"sample {sample['__key__']}: {ids} holds {len(values)} ids but "
+                             f"{lengths} sums to {int(np.sum(sample[lengths]))}")
+        if len(values) and (int(values.max()) >= vocab_size or int(values.min()) < 0):
+            bad = int(values.max()) if int(values.max()) >= vocab_size else int(values.min())
+            raise ValueError(f"sample {sample['__key__']}: {ids} holds token id {bad}, outside "
+                             f"the vocabulary [0, {vocab_size})")
+
+
 def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[str, _Language]:
     import webdataset as wds
 
@@ -218,8 +261,12 @@ def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[s
     # from it by seed), so no node or worker splitting; webdataset's default node splitter
     # raises as soon as torch.distributed is initialised with more than one rank.
     rebuild = f"rebuild the corpus with `{_prepare_command(cache_dir)} --force`"
+    recorded = manifest["splits"][split].get("files") or {}  # none in older corpora
+    vocab_size = int(manifest["vocab_size"])
     pairs = 0
-    for url in urls:  # one shard at a time, so that a damaged one is named
+    for name, url in zip(manifest["splits"][split]["shards"], urls, strict=True):
+        # one shard at a time, so that a damaged one is named
+        _verify_shard(Path(url), recorded.get(name), rebuild)
         dataset = wds.WebDataset(
             [url], shardshuffle=False, empty_check=False, nodesplitter=None, workersplitter=None
         ).decode()
@@ -229,6 +276,7 @@ def _read_split(cache_dir: Path, split: str, languages: Sequence[str]) -> dict[s
                 if missing_keys:  # a tar cut short ends in a partial sample
                     raise KeyError(f"sample {sample.get('__key__')} lacks {sorted(missing_keys)}")
                 pairs += len(sample["src_len.npy"])
+                _check_ids(sample, vocab_size)
                 lang = sample["lang.txt"]
                 if lang in wanted:
                     blocks[lang].append(sample)

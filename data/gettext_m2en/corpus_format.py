@@ -25,6 +25,7 @@ when training batches are. This module imports nothing of the apps (nor torch).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -79,10 +80,15 @@ def build_manifest(
     split_pairs: Mapping[str, int],
     shard_files: Mapping[str, Sequence[str]],
     stats: Mapping[str, Any],
+    shard_hashes: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """manifest.json's content: the settings it was built with (``config``), where the pairs
     came from, the tokenizer and its ids, the languages and their tag ids, each split's pair
-    count and shards (relative to the corpus folder), and statistics of the preparation."""
+    count and shards (relative to the corpus folder), and statistics of the preparation.
+
+    ``shard_hashes`` (``{split: {shard file name: {"bytes", "sha256"}}}``, :func:`shard_entry`)
+    go to each split's ``"files"``, which a reader checks once per run; a manifest without
+    them (older corpora) is read unchecked."""
     return {
         "format": FORMAT_VERSION,
         "config": dict(config),
@@ -97,11 +103,22 @@ def build_manifest(
         "languages": sorted(lang_tags),
         "lang_tags": dict(lang_tags),
         "splits": {
-            split: {"pairs": split_pairs[split], "shards": [f"shards/{name}" for name in names]}
+            split: {"pairs": split_pairs[split], "shards": [f"shards/{name}" for name in names],
+                    **({"files": {f"shards/{name}": dict(shard_hashes[split][name])
+                                  for name in names}} if shard_hashes is not None else {})}
             for split, names in shard_files.items()
         },
         "stats": dict(stats),
     }
+
+
+def shard_entry(path: Path) -> dict[str, Any]:
+    """A shard's size and SHA-256, as manifest.json records them."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def write_manifest(out: Path, manifest: Mapping[str, Any]) -> None:

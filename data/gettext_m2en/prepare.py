@@ -27,6 +27,7 @@ from data.gettext_m2en.corpus_format import (
     build_manifest,
     lang_tag,
     read_manifest,
+    shard_entry,
     write_manifest,
 )
 from data.gettext_m2en.errors import PrepareError
@@ -148,6 +149,8 @@ def prepare(
             lang_tags={lang: sp.piece_to_id(lang_tag(lang)) for lang in kept_languages},
             split_pairs={split: len(rows) for split, rows in splits.items()},
             shard_files=shard_files,
+            shard_hashes={split: {name: shard_entry(out / "shards" / name) for name in names}
+                          for split, names in shard_files.items()},
             stats={
                 "catalogs": len(catalogs),
                 "raw_pairs": pairs.raw_pairs,
