@@ -20,19 +20,33 @@ from its FLOPs and operator calls on that device (below peak for tiny micro-batc
 boundary's transfer from its message bytes over the link, the memory budget from the device,
 and the parameter memory from ``optimizer`` (bytes per parameter: weights, gradients, state).
 :func:`plan_largest` searches a ladder of model sizes for the largest that fits for each K.
+
+Selective re-materialization (``checkpoints`` holding ``"selective"``): for each configuration
+the planner chooses, per stage, the layers whose activations are kept
+(:class:`~gpipe_core.remat.Remat`). A stage keeps per micro-batch its input, its kept layers'
+activations and the input of each run of recomputed layers, for as many micro-batches as the
+schedule has in flight on it (fill-drain: M; 1F1B: about K - s on stage s, so early stages
+gain most from recomputing); its backward pays the recomputed layers' forward again, and
+(fused B) holds one recomputed run's activations at a time. The choice starts from keeping
+everything and, while a device is over the budget, recomputes the layer of that device that
+frees the most bytes per second of recomputation; then it keeps again, largest forward first,
+every recomputed layer the budget still allows. A :class:`~gpipe_core.remat.Remat` in
+``checkpoints`` is evaluated as given (for a fixed balance).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .costs import LayerCosts
 from .devices import Device, bytes_per_parameter
 from .partition import optimal_balance
-from .schedule import SCHEDULE_NAMES, get_schedule
-from .simulate import simulate
+from .remat import Remat
+from .schedule import SCHEDULE_NAMES, Schedule, get_schedule
+from .simulate import Simulation, simulate
 from .stage_profile import StageProfile
 
 __all__ = ["Plan", "plan", "plan_largest", "NoPlanFits"]
@@ -44,6 +58,7 @@ MicrobatchCosts = (tuple[Sequence[float], Sequence[float]]
                    | tuple[Sequence[float], Sequence[float], Sequence[float] | None,
                            Sequence[float] | None])
 CHECKPOINTS = ("never", "except_last", "always")
+SELECTIVE = "selective"  # in ``checkpoints``: the planner chooses the kept layers per stage
 
 
 class NoPlanFits(ValueError):
@@ -61,7 +76,7 @@ class Plan:
 
     num_stages: int  # stages (partitions); the devices when each runs one (num_ranks)
     num_microbatches: int
-    checkpoint: str
+    checkpoint: str  # a mode, or a selective choice as text (``str(Remat)``: "keep:[[0], []]")
     balance: list[int]
     step_time: float
     bubble_fraction: float
@@ -111,7 +126,7 @@ def plan(
     profiles: Sequence[StageProfile] | None = None,
     stages: Sequence[int] | None = None,
     microbatches: Sequence[int] | None = None,
-    checkpoints: Sequence[str] = CHECKPOINTS,
+    checkpoints: Sequence[str | Remat] = CHECKPOINTS,
     balance: Sequence[int] | None = None,
 ) -> list[Plan]:
     """All feasible plans, fastest first; raises :class:`NoPlanFits` if none fits.
@@ -140,7 +155,9 @@ def plan(
     it, half. ``backward_input`` with it: I as measured, so that I + W may cost more than B
     (the split's own overhead, which can make a zero-bubble schedule slower than 1F1B). ``stages``: the device counts K to try (default 1 to ``max_stages``);
     ``microbatches``: the M to try (default every divisor of the batch); ``checkpoints``: the
-    re-materialization modes to try. ``balance``: a fixed split (layers per stage, e.g. one
+    re-materialization modes to try, ``"selective"`` for kept layers chosen per stage (the
+    plan's ``checkpoint`` is then that choice as text, which ``checkpoint=`` takes), or a
+    :class:`~gpipe_core.remat.Remat` to evaluate as given. ``balance``: a fixed split (layers per stage, e.g. one
     already running) instead of the balanced one; only layouts with ``len(balance)`` stages
     are planned.
     """
@@ -160,9 +177,18 @@ def plan(
             raise ValueError(f"microbatches {bad} do not divide batch_size={batch_size}; give "
                              "divisors of the batch")
         divisors = [m for m in divisors if m in microbatches]
-    unknown = [c for c in checkpoints if c not in CHECKPOINTS]
+    unknown = [c for c in checkpoints if not isinstance(c, Remat)
+               and c not in (*CHECKPOINTS, SELECTIVE)]
     if unknown:
-        raise ValueError(f"checkpoints {unknown} unknown; choose from {CHECKPOINTS}")
+        raise ValueError(f"checkpoints {unknown} unknown; choose from {[*CHECKPOINTS, SELECTIVE]}"
+                         " or give a gp.Remat")
+    fixed = [c for c in checkpoints if isinstance(c, Remat)]
+    if fixed and balance is None:
+        raise ValueError("a gp.Remat in checkpoints names layers of each stage: give the "
+                         "balance it is for (balance=[...])")
+    for choice in fixed:
+        assert balance is not None
+        choice.check(balance)
     stage_kept: Callable[[int, int], float] | None = None
     boundary_bytes: Sequence[float] | None = None
     if profiles:
@@ -312,7 +338,7 @@ def _plans_for(
     microbatch_costs: Mapping[int, MicrobatchCosts],
     backward_weight: Sequence[float] | None,
     backward_input: Sequence[float] | None,
-    checkpoints: Sequence[str],
+    checkpoints: Sequence[str | Remat],
     stage_kept: Callable[[int, int], float] | None,
     boundary_bytes: Sequence[float] | None,
     device: Device | None,
@@ -368,14 +394,36 @@ def _plans_for(
         except ValueError:  # this M does not suit the schedule (DualPipeV: M < 2K)
             continue
         on_rank = [actions.stages_on(r) for r in range(k)]
+        held = [sum(params[s] for s in mine) for mine in on_rank]
+        layer_forward = (list(microbatch_costs[m][0]) if m in microbatch_costs
+                         else [f / m for f in forward])
+        selective = _Selective(
+            stages, actions, on_rank, held, layer_forward,
+            [a / m for a in activation_bytes], [i / m for i in input_bytes],
+            dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
+                 transfer=links, activation_bytes=acts, input_bytes=inputs))
         for checkpoint in checkpoints:
+            if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
+                if isinstance(checkpoint, Remat):
+                    keep = [{a + i for i in layers} for layers, (a, _) in
+                            zip(checkpoint.keep, stages, strict=True)]
+                else:
+                    keep = selective.choose(memory_budget)
+                sim, kept = selective.evaluate(keep)
+                peak = max(h + x for h, x in zip(held, kept, strict=True))
+                smallest = min(smallest, peak)
+                if peak <= memory_budget:
+                    choice = Remat([{i - a for i in layers} for layers, (a, _) in
+                                    zip(keep, stages, strict=True)])
+                    plans.append(Plan(num_stages, m, str(choice), balance, sim.step_time,
+                                      sim.bubble_fraction, peak, name, k, held, kept))
+                continue
             sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
                            transfer=links,
                            checkpoint=checkpoint, activation_bytes=acts, input_bytes=inputs)
             # Re-materializing needs one micro-batch's full activations during backward
             # (a split backward's I keeps them until W; the simulation counts that).
             rebuilt = checkpoint != "never" and not actions.splits_backward
-            held = [sum(params[s] for s in mine) for mine in on_rank]
             kept = [sim.peak_bytes[r] + (max(acts[s] for s in mine) if rebuilt else 0.0)
                     for r, mine in enumerate(on_rank)]
             peak = max(h + a for h, a in zip(held, kept, strict=True))
@@ -384,6 +432,132 @@ def _plans_for(
                 plans.append(Plan(num_stages, m, checkpoint, balance, sim.step_time,
                                   sim.bubble_fraction, peak, name, k, held, kept))
     return plans, smallest
+
+
+class _Selective:
+    """One configuration's per-layer sizes and costs, to evaluate and choose kept layers."""
+
+    def __init__(self, stages: Sequence[tuple[int, int]], actions: Schedule,
+                 on_rank: Sequence[Sequence[int]], held: Sequence[float],
+                 layer_forward: Sequence[float], layer_bytes: Sequence[float],
+                 layer_inputs: Sequence[float], simulate_kwargs: dict[str, Any]) -> None:
+        self.stages = list(stages)
+        self.actions = actions
+        self.on_rank = on_rank
+        self.held = held  # per rank: parameter bytes
+        self.layer_forward = layer_forward  # per layer: one micro-batch's forward seconds
+        self.layer_bytes = layer_bytes  # per layer: activations kept for one micro-batch
+        self.layer_inputs = layer_inputs  # per layer: its input, one micro-batch
+        self.simulate_kwargs = simulate_kwargs
+
+    def _runs(self, s: int, keep: set[int]) -> list[list[int]]:
+        """Stage s's maximal runs of recomputed layers (global indices)."""
+        a, b = self.stages[s]
+        runs: list[list[int]] = []
+        for i in range(a, b):
+            if i in keep:
+                continue
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def kept_bytes(self, s: int, keep: set[int]) -> float:
+        """One micro-batch's bytes kept by stage s: its kept layers' activations and the input
+        of each recomputed run (the stage's input counts in its first layer's activations when
+        that is kept: keeping all is ``"never"``'s size, keeping none ``"always"``'s)."""
+        a, b = self.stages[s]
+        return (sum(self.layer_bytes[i] for i in keep if a <= i < b)
+                + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)))
+
+    def evaluate(self, keep: Sequence[set[int]]) -> tuple[Simulation, list[float]]:
+        """The simulation of this choice and each rank's peak above its parameters."""
+        recompute = [sum(self.layer_forward[i] for i in range(a, b) if i not in keep[s])
+                     for s, (a, b) in enumerate(self.stages)]
+        sim = simulate(self.actions, checkpoint="always", recompute=recompute,
+                       kept_bytes=[self.kept_bytes(s, keep[s]) for s in range(len(self.stages))],
+                       **self.simulate_kwargs)
+        # a fused backward rebuilds one recomputed run at a time (I keeps them all until W,
+        # which the simulation counts as the stage's whole activations)
+        rebuilt = [0.0 if self.actions.splits_backward else
+                   max((sum(self.layer_bytes[i] for i in run) for run in self._runs(s, keep[s])),
+                       default=0.0)
+                   for s in range(len(self.stages))]
+        kept = [sim.peak_bytes[r] + max((rebuilt[s] for s in mine), default=0.0)
+                for r, mine in enumerate(self.on_rank)]
+        return sim, kept
+
+    def choose(self, budget: float) -> list[set[int]]:
+        """Kept layers per stage: the better of two greedy passes (layers recomputed by bytes
+        freed per second of recomputation, or by bytes alone), then improved by swapping a
+        recomputed layer for a kept one of the same stage while that is faster and fits."""
+        options = [self._greedy(budget, per_second) for per_second in (True, False)]
+        scored = [(self._step_if_fits(keep, budget), index) for index, keep in enumerate(options)]
+        time, best = min(scored)
+        keep = options[best]
+        if time == float("inf"):
+            return keep  # nothing fits: the caller finds it over the budget
+        budget_left = 50 * len(self.stages)  # evaluations for the swaps
+        improved = True
+        while improved and budget_left > 0:
+            improved = False
+            for s, (a, b) in enumerate(self.stages):
+                for i, j in itertools.product(range(a, b), repeat=2):
+                    if i in keep[s] or j not in keep[s] or budget_left <= 0:
+                        continue
+                    trial = [set(layers) for layers in keep]
+                    trial[s] = (trial[s] - {j}) | {i}
+                    budget_left -= 1
+                    trial_time = self._step_if_fits(trial, budget)
+                    if trial_time < time * (1 - 1e-9):
+                        keep, time, improved = trial, trial_time, True
+        return keep
+
+    def _step_if_fits(self, keep: Sequence[set[int]], budget: float) -> float:
+        sim, kept = self.evaluate(keep)
+        fits = all(h + x <= budget for h, x in zip(self.held, kept, strict=True))
+        return sim.step_time if fits else float("inf")
+
+    def _greedy(self, budget: float, per_second: bool) -> list[set[int]]:
+        """Keep everything; while a device is over the budget, recompute its layer that frees
+        the most bytes at its peak (per second of recomputation if ``per_second``); then keep
+        again, largest forward first, every recomputed layer the budget still allows."""
+        keep = [set(range(a, b)) for a, b in self.stages]
+        rank_of = {s: r for r, mine in enumerate(self.on_rank) for s in mine}
+        removed: list[int] = []
+        while True:
+            sim, kept = self.evaluate(keep)
+            over = [r for r, x in enumerate(kept) if self.held[r] + x > budget]
+            if not over:
+                break
+            best: tuple[float, int, int] | None = None
+            for s in range(len(self.stages)):
+                if rank_of[s] not in over:
+                    continue
+                before = self.kept_bytes(s, keep[s])
+                for i in sorted(keep[s]):
+                    freed = before - self.kept_bytes(s, keep[s] - {i})
+                    if freed <= 0:
+                        continue
+                    # bytes at the peak: this stage's micro-batches in flight at once
+                    ratio = freed * sim.peak_inflight[rank_of[s]]
+                    if per_second:
+                        ratio /= max(self.layer_forward[i], 1e-30)
+                    if best is None or ratio > best[0]:
+                        best = (ratio, s, i)
+            if best is None:
+                return keep  # recomputing more frees nothing
+            _, s, i = best
+            keep[s].discard(i)
+            removed.append(i)
+        stage_of = {i: s for s, (a, b) in enumerate(self.stages) for i in range(a, b)}
+        for i in sorted(removed, key=lambda j: -self.layer_forward[j]):
+            keep[stage_of[i]].add(i)
+            _, kept = self.evaluate(keep)
+            if any(h + x > budget for h, x in zip(self.held, kept, strict=True)):
+                keep[stage_of[i]].discard(i)
+        return keep
 
 
 def _from_profiles(profiles: Sequence[StageProfile]) -> dict[int, MicrobatchCosts]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .events import TimelineEvent
-from .remat import checkpoint_stop
+from .remat import Checkpoint, checkpoint_stop
 from .schedule import Schedule
 from .stage_profile import StageProfile
 
@@ -44,7 +44,7 @@ def simulate(
     backward_input: Sequence[float] | None = None,
     backward_weight: Sequence[float] | None = None,
     transfer: float | Sequence[float] | None = None,
-    checkpoint: str | None = None,
+    checkpoint: Checkpoint | None = None,
     recompute: Sequence[float] | None = None,
     forward_no_grad: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
@@ -52,6 +52,7 @@ def simulate(
     output_bytes: Sequence[float] | None = None,
     gradient_bytes: Sequence[float] | None = None,
     working_bytes: Sequence[float] | None = None,
+    kept_bytes: Sequence[float] | None = None,
     per_round: bool = False,
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
@@ -76,6 +77,10 @@ def simulate(
     ``activation_bytes[s]``: what stage s keeps for one micro-batch's backward without
     re-materialization, from F until B or W; ``input_bytes[s]``: its input, all it keeps when
     re-materialized until B or I (I rebuilds the graph, which W needs: activation bytes again).
+    ``kept_bytes[s]``: what a re-materialized micro-batch keeps instead of ``input_bytes[s]``;
+    for a selective choice (a :class:`~gpipe_core.remat.Remat`, under which every micro-batch
+    is re-materialized as far as the choice says) the kept layers' activations and the inputs
+    of the recomputed runs, with ``recompute[s]`` the forward of the recomputed layers only.
     Optional, for a rank's whole tensor memory in a step: ``output_bytes[s]``, the message stage
     s sends downstream (its input gradient, sent upstream, is ``input_bytes[s]``; a rank holds
     the newest message it sent to another rank: the transport frees a send's buffer once it
@@ -105,7 +110,8 @@ def simulate(
                                 forward_no_grad=forward_no_grad,
                                 activation_bytes=activation_bytes, input_bytes=input_bytes,
                                 output_bytes=output_bytes, gradient_bytes=gradient_bytes,
-                                working_bytes=working_bytes) for r in range(rounds)),
+                                working_bytes=working_bytes, kept_bytes=kept_bytes)
+                       for r in range(rounds)),
                       key=lambda sim: sim.step_time)
         return runs[(rounds - 1) // 2]
     if isinstance(forward, Sequence):
@@ -132,7 +138,7 @@ def simulate(
             raise ValueError(f"{name} has {len(values)} costs for {k} stages; give one per stage")
     for name, values in (("activation_bytes", activation_bytes), ("input_bytes", input_bytes),
                          ("output_bytes", output_bytes), ("gradient_bytes", gradient_bytes),
-                         ("working_bytes", working_bytes)):
+                         ("working_bytes", working_bytes), ("kept_bytes", kept_bytes)):
         if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} sizes for {k} stages; give one per stage")
     costs = {"F": list(forward_costs), **_backward_costs(backward, backward_input, backward_weight)}
@@ -154,7 +160,8 @@ def simulate(
     inflight = [0] * ranks
     peak_inflight = [0] * ranks
     memory = [_RankMemory() for _ in range(ranks)]
-    sizes = _Sizes(activation_bytes, input_bytes, output_bytes, gradient_bytes, working_bytes)
+    sizes = _Sizes(activation_bytes, input_bytes, output_bytes, gradient_bytes, working_bytes,
+                   kept_bytes)
     total = sum(len(row) for row in schedule.actions)
     done = 0
     while done < total:
@@ -226,12 +233,15 @@ class _Sizes:
     output: Sequence[float] | None
     gradient: Sequence[float] | None
     working: Sequence[float] | None
+    selective: Sequence[float] | None = None  # kept when re-materialized, if not the input
 
     def kept(self, s: int, rematerialized: bool) -> float:
         """What stage s keeps for one micro-batch from its F until its B (or I, then W)."""
         if self.activation is None:
             return 0.0
         if rematerialized:
+            if self.selective is not None:
+                return self.selective[s]
             return self.input[s] if self.input is not None else 0.0
         return self.activation[s]
 

@@ -1,0 +1,144 @@
+"""The simulator and planner with selective re-materialization: per stage, the layers whose
+activations are kept (``gp.Remat``), chosen by ``gp.plan(checkpoints=["selective"])`` under a
+memory budget and compared with an exhaustive search over every choice."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe_core as gp
+from gpipe_core.plan import NoPlanFits, plan
+from gpipe_core.simulate import simulate
+
+
+def test_kept_bytes_replace_the_input_for_a_rematerialized_micro_batch() -> None:
+    # One stage, fill-drain of 3: all three forwards are held at once before the backwards.
+    schedule = gp.fill_drain(1, 3)
+    sizes = dict(activation_bytes=[100.0], input_bytes=[10.0])
+    never = simulate(schedule, [1.0], [2.0], **sizes)  # type: ignore[arg-type]
+    always = simulate(schedule, [1.0], [2.0], checkpoint="always", **sizes)  # type: ignore[arg-type]
+    chosen = simulate(schedule, [1.0], [2.0], checkpoint=gp.Remat([{0}]), recompute=[0.25],
+                      kept_bytes=[30.0], **sizes)  # type: ignore[arg-type]
+    assert (never.peak_bytes, always.peak_bytes, chosen.peak_bytes) == ([300.0], [30.0], [90.0])
+    # every micro-batch pays the recomputed layers' forward in its backward
+    assert chosen.step_time == pytest.approx(3 * 1.0 + 3 * (2.0 + 0.25))
+    assert simulate(schedule, [1.0], [2.0], checkpoint="keep:[[0]]", recompute=[0.25]
+                    ).step_time == chosen.step_time
+    with pytest.raises(ValueError, match="kept_bytes has 2 sizes for 1 stages"):
+        simulate(schedule, [1.0], [2.0], kept_bytes=[1.0, 2.0], **sizes)  # type: ignore[arg-type]
+
+
+def layers(n: int, seed: int) -> dict[str, Any]:
+    """Per-layer costs of ``n`` layers of unequal cost and size (a whole batch of 8)."""
+    rng = random.Random(seed)
+    forward = [rng.uniform(0.5, 2.0) for _ in range(n)]
+    return dict(forward=forward, backward=[2 * f for f in forward],
+                activation_bytes=[rng.uniform(50.0, 400.0) for _ in range(n)],
+                input_bytes=[rng.uniform(5.0, 40.0) for _ in range(n)],
+                param_bytes=[rng.uniform(10.0, 50.0) for _ in range(n)], batch_size=8)
+
+
+def best_of_every_choice(kwargs: dict[str, Any], balance: list[int], budget: float) -> float:
+    """The fastest feasible step time over every per-stage choice of kept layers."""
+    best = float("inf")
+    for keep in itertools.product(*[
+            [set(c) for r in range(n + 1) for c in itertools.combinations(range(n), r)]
+            for n in balance]):
+        try:
+            found = plan(memory_budget=budget, checkpoints=[gp.Remat(keep)], balance=balance,
+                         **kwargs)
+        except NoPlanFits:
+            continue
+        best = min(best, found[0].step_time)
+    return best
+
+
+@pytest.mark.parametrize(("schedule", "seed"), [("gpipe", 0), ("1f1b", 1), ("gpipe", 2),
+                                                ("1f1b", 3)])
+def test_the_planner_is_within_3_percent_of_an_exhaustive_search(schedule: str,
+                                                                 seed: int) -> None:
+    kwargs = layers(8, seed)
+    balance = [4, 4]
+    fixed = dict(kwargs, stages=[2], microbatches=[4], schedule=schedule)
+    peaks = {mode: plan(memory_budget=1e12, checkpoints=[mode], balance=balance, **fixed)[0]
+             .peak_bytes for mode in ("never", "always")}
+    assert peaks["always"] < peaks["never"]
+    checked = 0
+    for share in (0.3, 0.5, 0.7, 0.9):  # budgets between what "always" and "never" need
+        budget = peaks["always"] + share * (peaks["never"] - peaks["always"])
+        best = best_of_every_choice(fixed, balance, budget)
+        chosen = plan(memory_budget=budget, checkpoints=["selective"], balance=balance,
+                      **fixed)[0]
+        assert chosen.peak_bytes <= budget
+        assert chosen.step_time <= 1.03 * best, (share, chosen.checkpoint)
+        always = plan(memory_budget=budget, checkpoints=["always"], balance=balance, **fixed)[0]
+        assert chosen.step_time < always.step_time  # it recomputes less than everything
+        with pytest.raises(NoPlanFits):
+            plan(memory_budget=budget, checkpoints=["never"], balance=balance, **fixed)
+        checked += 1
+    assert checked == 4
+
+
+def test_under_1f1b_early_stages_recompute_more() -> None:
+    """Stage s of 1F1B holds about K - s micro-batches: with identical layers and one budget
+    for every device, the first stage recomputes the most layers and the last the fewest."""
+    n, k = 16, 4
+    kwargs = dict(forward=[1.0] * n, backward=[2.0] * n, activation_bytes=[100.0] * n,
+                  input_bytes=[10.0] * n, param_bytes=[0.0] * n, batch_size=8,
+                  stages=[k], microbatches=[8], schedule="1f1b", balance=[4] * k)
+    chosen = plan(memory_budget=700.0 / 8, checkpoints=["selective"], **kwargs)[0]
+    choice = gp.Remat(eval_keep(chosen.checkpoint))
+    kept = [len(layers) for layers in choice.keep]
+    assert kept == sorted(kept) and kept[0] < kept[-1], kept
+    assert chosen.peak_bytes <= 700.0 / 8
+
+
+def eval_keep(text: str) -> list[list[int]]:
+    choice = gp.remat.as_checkpoint(text)
+    assert isinstance(choice, gp.Remat)
+    return [sorted(layers) for layers in choice.keep]
+
+
+def test_a_plan_of_kept_layers_runs_as_it_says() -> None:
+    """The chosen choice, as the plan gives it, is a ``checkpoint=`` a pipeline takes."""
+    kwargs = layers(6, 4)
+    fixed = dict(kwargs, stages=[2], microbatches=[2], balance=[3, 3])
+    never = plan(memory_budget=1e12, checkpoints=["never"], **fixed)[0].peak_bytes
+    always = plan(memory_budget=1e12, checkpoints=["always"], **fixed)[0].peak_bytes
+    chosen = plan(memory_budget=(never + always) / 2, checkpoints=["selective"], **fixed)[0]
+    assert chosen.checkpoint.startswith("keep:")
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)]).double()
+    pipe = gp.GPipe(model, chosen.balance, chunks=chosen.num_microbatches,
+                    checkpoint=chosen.checkpoint)
+    assert isinstance(pipe.checkpoint, gp.Remat)
+    pipe(torch.randn(4, 4, dtype=torch.float64)).sum().backward()
+    assert all(p.grad is not None for p in pipe.parameters())
+
+
+def test_plan_checks_a_given_choice() -> None:
+    kwargs = layers(4, 5)
+    with pytest.raises(ValueError, match=r"give the balance it is for"):
+        plan(memory_budget=1e12, checkpoints=[gp.Remat([{0}, {1}])], stages=[2], **kwargs)
+    with pytest.raises(ValueError, match=r"keeps layers \[3\] of stage 1, which has 2 layers"):
+        plan(memory_budget=1e12, checkpoints=[gp.Remat([{0}, {3}])], balance=[2, 2],
+             stages=[2], **kwargs)
+    with pytest.raises(ValueError, match=r"checkpoints \['some'\] unknown"):
+        plan(memory_budget=1e12, checkpoints=["some"], **kwargs)
+
+
+def test_keeping_everything_or_nothing_predicts_never_and_always() -> None:
+    kwargs = dict(layers(6, 6), stages=[2], microbatches=[4], balance=[3, 3], schedule="1f1b")
+    by_mode = {mode: plan(memory_budget=1e12, checkpoints=[mode], **kwargs)[0]
+               for mode in ("never", "always")}
+    everything = plan(memory_budget=1e12, checkpoints=[gp.Remat([{0, 1, 2}] * 2)], **kwargs)[0]
+    nothing = plan(memory_budget=1e12, checkpoints=[gp.Remat([set(), set()])], **kwargs)[0]
+    assert everything.peak_bytes == pytest.approx(by_mode["never"].peak_bytes)
+    assert everything.step_time == pytest.approx(by_mode["never"].step_time)
+    assert nothing.peak_bytes == pytest.approx(by_mode["always"].peak_bytes)
+    assert nothing.step_time == pytest.approx(by_mode["always"].step_time)
