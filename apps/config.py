@@ -106,9 +106,11 @@ def _integer(name: str, value: Any) -> int:
         raise ConfigError(f"{name}={value!r} is not a valid int (not a finite number); give a "
                           "whole number")
     if not number.is_integer():
+        # the nearest whole numbers, but not 0 for a positive fraction (0 often means "none")
+        near = [n for n in (math.floor(number), math.ceil(number)) if number <= 0 or n > 0]
         raise ConfigError(
             f"{name}={value!r} is not a whole number; give an integer such as "
-            f"{math.floor(number)} or {math.ceil(number)}"
+            f"{' or '.join(map(str, near))}"
         )
     return int(number)
 
