@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png-dir", default=".cache/fashion_mnist_png")
     parser.add_argument("--npy-dir", default=".cache/fashion_mnist_npy")
     parser.add_argument("--runs", nargs="*", default=[], help="old=DIR / new=DIR finished runs")
+    parser.add_argument("--runs-note", default="",
+                        help="how the --runs were made (command, commit): kept in the JSON")
     parser.add_argument("--json", default=str(PUBLISHED / "amoebanet_input.json"))
     parser.add_argument("--train-rounds", type=int, default=0,
                         help="paired rounds of short default training runs (0 = none)")
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": training,
         },
         "training_runs": read_runs(args.runs),
+        "training_runs_note": args.runs_note,
         "rounds": rounds,
         "provenance": provenance(load_before),
     }
