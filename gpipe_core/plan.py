@@ -471,6 +471,14 @@ class _Selective:
         return (sum(self.layer_bytes[i] for i in keep if a <= i < b)
                 + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)))
 
+    def _rebuilt(self, s: int, keep: set[int]) -> float:
+        """What stage s's fused backward adds while it rebuilds one recomputed run at a time
+        (I keeps them all until W, which the simulation counts as the whole activations)."""
+        if self.actions.splits_backward:
+            return 0.0
+        return max((sum(self.layer_bytes[i] for i in run) for run in self._runs(s, keep)),
+                   default=0.0)
+
     def evaluate(self, keep: Sequence[set[int]]) -> tuple[Simulation, list[float]]:
         """The simulation of this choice and each rank's peak above its parameters."""
         recompute = [sum(self.layer_forward[i] for i in range(a, b) if i not in keep[s])
@@ -478,33 +486,32 @@ class _Selective:
         sim = simulate(self.actions, checkpoint="always", recompute=recompute,
                        kept_bytes=[self.kept_bytes(s, keep[s]) for s in range(len(self.stages))],
                        **self.simulate_kwargs)
-        # a fused backward rebuilds one recomputed run at a time (I keeps them all until W,
-        # which the simulation counts as the stage's whole activations)
-        rebuilt = [0.0 if self.actions.splits_backward else
-                   max((sum(self.layer_bytes[i] for i in run) for run in self._runs(s, keep[s])),
-                       default=0.0)
-                   for s in range(len(self.stages))]
+        rebuilt = [self._rebuilt(s, keep[s]) for s in range(len(self.stages))]
         kept = [sim.peak_bytes[r] + max((rebuilt[s] for s in mine), default=0.0)
                 for r, mine in enumerate(self.on_rank)]
         return sim, kept
 
     def choose(self, budget: float) -> list[set[int]]:
-        """Kept layers per stage: the better of two greedy passes (layers recomputed by bytes
-        freed per second of recomputation, or by bytes alone), then improved by swapping a
-        recomputed layer for a kept one of the same stage while that is faster and fits."""
+        """Kept layers per stage: the best of two greedy passes (layers recomputed by bytes
+        freed per second of recomputation, or by bytes alone) and of recomputing everything,
+        then improved while that is faster and fits by keeping one more layer, or by keeping a
+        recomputed layer in place of a kept one of the same stage."""
         options = [self._greedy(budget, per_second) for per_second in (True, False)]
+        options.append([set() for _ in self.stages])  # recompute everything (as "always")
         scored = [(self._step_if_fits(keep, budget), index) for index, keep in enumerate(options)]
         time, best = min(scored)
         keep = options[best]
         if time == float("inf"):
             return keep  # nothing fits: the caller finds it over the budget
-        budget_left = 50 * len(self.stages)  # evaluations for the swaps
+        budget_left = 200 * len(self.stages)  # evaluations for the improvements
         improved = True
         while improved and budget_left > 0:
             improved = False
             for s, (a, b) in enumerate(self.stages):
-                for i, j in itertools.product(range(a, b), repeat=2):
-                    if i in keep[s] or j not in keep[s] or budget_left <= 0:
+                moves = [(i, None) for i in range(a, b)] + list(
+                    itertools.product(range(a, b), repeat=2))
+                for i, j in moves:
+                    if i in keep[s] or (j is not None and j not in keep[s]) or budget_left <= 0:
                         continue
                     trial = [set(layers) for layers in keep]
                     trial[s] = (trial[s] - {j}) | {i}
@@ -535,19 +542,24 @@ class _Selective:
             for s in range(len(self.stages)):
                 if rank_of[s] not in over:
                     continue
-                before = self.kept_bytes(s, keep[s])
+                # bytes at the peak: this stage's micro-batches in flight at once, and one
+                # recomputed run rebuilt in its backward
+                inflight = sim.peak_inflight[rank_of[s]]
+
+                def at_peak(layers: set[int], s: int = s, inflight: int = inflight) -> float:
+                    return inflight * self.kept_bytes(s, layers) + self._rebuilt(s, layers)
+
+                before = at_peak(keep[s])
                 for i in sorted(keep[s]):
-                    freed = before - self.kept_bytes(s, keep[s] - {i})
-                    if freed <= 0:
+                    ratio = before - at_peak(keep[s] - {i})
+                    if ratio < 0:
                         continue
-                    # bytes at the peak: this stage's micro-batches in flight at once
-                    ratio = freed * sim.peak_inflight[rank_of[s]]
                     if per_second:
                         ratio /= max(self.layer_forward[i], 1e-30)
                     if best is None or ratio > best[0]:
                         best = (ratio, s, i)
             if best is None:
-                return keep  # recomputing more frees nothing
+                return keep  # recomputing any one more layer frees nothing
             _, s, i = best
             keep[s].discard(i)
             removed.append(i)

@@ -142,3 +142,23 @@ def test_keeping_everything_or_nothing_predicts_never_and_always() -> None:
     assert everything.step_time == pytest.approx(by_mode["never"].step_time)
     assert nothing.peak_bytes == pytest.approx(by_mode["always"].peak_bytes)
     assert nothing.step_time == pytest.approx(by_mode["always"].step_time)
+
+
+def test_selective_from_costs_counted_on_meta() -> None:
+    """``plan(costs, device=...)``: per-layer bytes from :func:`gp.layer_costs`; at a budget
+    where "always" fits and "never" does not, the chosen layers fit and beat "always"."""
+    model = nn.Sequential(*[layer for _ in range(4) for layer in
+                            (nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))])
+    costs = gp.layer_costs(model, torch.randn(64, 256))
+    device = gp.DEVICES["a100_80gb"]
+    kwargs = dict(device=device, optimizer="adam", batch_size=64, stages=[2], microbatches=[8],
+                  schedule="1f1b")
+    peak = {mode: plan(costs, checkpoints=[mode], **kwargs)[0].peak_bytes  # type: ignore[arg-type]
+            for mode in ("never", "always")}
+    budget = (peak["never"] + peak["always"]) / 2
+    chosen = plan(costs, checkpoints=["selective"], memory_budget=budget, **kwargs)[0]  # type: ignore[arg-type]
+    always = plan(costs, checkpoints=["always"], memory_budget=budget, **kwargs)[0]  # type: ignore[arg-type]
+    assert chosen.peak_bytes <= budget < peak["never"]
+    assert chosen.step_time < always.step_time
+    kept = eval_keep(chosen.checkpoint)
+    assert 0 < sum(map(len, kept)) < len(model)
