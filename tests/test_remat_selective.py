@@ -202,3 +202,12 @@ def test_a_recomputed_run_keeps_only_its_input() -> None:
         (0, 1, False), (1, 3, True), (3, 4, False)]
     assert all(x.grad_fn is None for r in runs for x in r.inputs)
     assert out.requires_grad and out.grad_fn is None  # the last run's, computed without graph
+
+
+def test_the_architecture_page_example_runs() -> None:
+    """docs/ARCHITECTURE.md's selective re-materialization example, whose asserts run."""
+    from tests.test_docs import ROOT, blocks
+
+    (code,) = blocks(ROOT / "docs" / "ARCHITECTURE.md", "python")[-1:]
+    assert "checkpoints=[\"selective\"]" in code
+    exec(compile(code, "ARCHITECTURE.md", "exec"), {})  # noqa: S102
