@@ -162,3 +162,36 @@ def test_selective_from_costs_counted_on_meta() -> None:
     assert chosen.step_time < always.step_time
     kept = eval_keep(chosen.checkpoint)
     assert 0 < sum(map(len, kept)) < len(model)
+
+
+def test_the_memory_model_is_what_a_stage_holds() -> None:
+    """For every choice of kept layers of a stage, the bytes it holds between forward and
+    backward (live tensor storage, its input included) equal the planner's per-micro-batch
+    model from :func:`gp.layer_costs`, plus the stage's output when its last layer is kept (a
+    kept run holds its outputs as its backward's roots; the model, like ``"never"``'s, leaves
+    out an output its layer does not save)."""
+    from gpipe_core.plan import _Selective
+    from gpipe_core.stage import Stage
+    from scripts.harness import LiveTensorBytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32),
+                          nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    x = torch.randn(16, 32)
+    costs = gp.layer_costs(model, x)
+    model_of = _Selective([(0, 6)], gp.fill_drain(1, 1), [[0]], [0.0], costs.forward_flops,
+                          [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes,
+                                                 strict=True)], costs.input_bytes, {})
+    for count in range(7):
+        for kept in itertools.combinations(range(6), count):
+            stage = Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
+                          first_layer_index=0, device=torch.device("cpu"),
+                          checkpoint=gp.Remat([set(), kept, set()]), seed=0)
+            stage.begin_step(0, 1)
+            with LiveTensorBytes([x, *model.parameters()]) as live:
+                out = stage.forward(0, 0, x.clone().requires_grad_())
+                del out
+                held = live.current
+            stage.discard(0)
+            output = costs.output_bytes[5] if 5 in kept else 0.0
+            assert held == model_of.kept_bytes(0, set(kept)) + output, kept
