@@ -1,5 +1,6 @@
 """Selective re-materialization through DistributedGPipe on 2 gloo ranks: for fill-drain,
-1F1B and a zero-bubble schedule (I then W), every choice below gives the plain module's loss
+1F1B and a zero-bubble schedule (I then W), and two stages per rank (interleaved 1F1B, ZB-V;
+float64 only), every choice below gives the plain module's loss
 and gradients: float64 with dropout (to 1e-10 against single-process GPipe without
 re-materialization), and bf16 autocast bit for bit against the plain module run micro-batch by
 micro-batch (the arithmetic of tests/distributed/test_precision.py)."""
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.distributed
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 # balance [3, 5] of test_pipeline.build (Embed, 6 Blocks, Head): per stage, the kept layers
 FP64_CHOICES = ([set(), {1, 3}], [{0, 2}, {4}], [{1}, set()], [{0, 1, 2}, {0, 2, 3}])
+# two stages per rank (balance [2, 2, 2, 2]), float64 with dropout only
+VIRTUAL = ("interleaved_1f1b", "zb_v")
+VIRTUAL_CHOICE = [{1}, set(), {0}, {0, 1}]
 # balance [4, 3] of test_precision.build
 BF16_CHOICES = ([{1}, {0}], [set(), {1, 2}], [{0, 2, 3}, set()])
 
@@ -47,6 +51,15 @@ def run_all(rank: int, world: int) -> list[Any]:
                 loss = pipe.step(x, y)
             results.append((("bf16", schedule, str(keep)), float(loss),
                             {n: p.grad.clone() for n, p in pipe.named_parameters()}))
+    for schedule in VIRTUAL:
+        torch.manual_seed(0)
+        pipe = gp.DistributedGPipe(fp64.build(p=0.3), [2, 2, 2, 2], chunks=4,
+                                   loss_fn=fp64.loss_fn, seed=77, checkpoint=VIRTUAL_CHOICE,
+                                   schedule=schedule)
+        (x, mask), y = fp64.make_batch(0, n=8)
+        loss = pipe.step((x, mask), y)
+        results.append((("fp64", schedule, str(VIRTUAL_CHOICE)), float(loss),
+                        {k: p.grad.clone() for k, p in pipe.named_parameters()}))
     return results
 
 
@@ -70,7 +83,7 @@ def test_every_schedule_and_choice_equals_the_plain_module(tmp_path: Path) -> No
         ref_loss = bf16.reference(model, *bf16.batch(0), order)
         bf16_expected[schedule] = (ref_loss, {n: p.grad for n, p in model.named_parameters()})
     cases = [case for case, _, _ in per_rank[0]]
-    assert len(cases) == len(SCHEDULES) * (len(FP64_CHOICES) + len(BF16_CHOICES))
+    assert len(cases) == len(SCHEDULES) * (len(FP64_CHOICES) + len(BF16_CHOICES)) + len(VIRTUAL)
     for index, case in enumerate(cases):
         kind, schedule, _ = case
         seen = set()
