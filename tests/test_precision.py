@@ -195,7 +195,7 @@ def test_grad_scaler_works_through_the_pipeline_in_fp16() -> None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         runs.append((losses, scaler.get_scale()))
     (losses_pipe, scale_pipe), (losses_plain, scale_plain) = runs
     assert scale_pipe == scale_plain
