@@ -42,6 +42,7 @@ def run_main(main: Callable[[], Any], *, command: str,
             print(str(stop), file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
     except (*CLEAR_ERRORS, *errors) as error:
+        _record_said(error)  # before the failure record that the others name it from
         gp.report_failure(error)
         if _first_to_say(error):
             _close_progress_bars()
@@ -79,7 +80,6 @@ def _first_to_say(error: BaseException) -> bool:
     if store is None:
         return rank == 0  # before the process group: every rank read the same config
     try:
-        store.set(f"apps/error/{rank}", text)
         if rank == 0:
             return True
         store.wait(["apps/error/0"], datetime.timedelta(seconds=2))
@@ -88,18 +88,32 @@ def _first_to_say(error: BaseException) -> bool:
         return True
 
 
+def _record_said(error: BaseException) -> None:
+    """Put this rank's error line in the c10d store (``apps/error/<rank>``): rank 0's is
+    compared by the others, and a survivor that would only repeat it stays silent."""
+    if isinstance(error, gp.PipelineFailure):
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        if store is not None:
+            store.set(f"apps/error/{int(os.environ.get('RANK', '0'))}",
+                      f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - a side channel: without it, every rank speaks
+        pass
+
+
 _FAILED_AT = re.compile(r"the run failed at rank (\d+): (.*)", re.DOTALL)
 
 
 def _said_by_the_failed_rank(store: Any, message: str) -> bool:
     """Whether ``message`` ("rank 1 stops: the run failed at rank 0: <error>") repeats an
-    error that rank 0 prints itself (its ``apps/error/0`` key, set right before it prints)."""
+    error that rank 0 prints itself: its ``apps/error/0`` key, set before its failure record,
+    so no wait (a rank that raised a bug sets none, and its traceback names no run)."""
     found = _FAILED_AT.search(message)
     if store is None or found is None:
         return False
     try:
         key = f"apps/error/{found.group(1)}"
-        store.wait([key], datetime.timedelta(seconds=2))
-        return bool(store.get(key).decode() == found.group(2))
+        return bool(store.check([key]) and store.get(key).decode() == found.group(2))
     except Exception:  # noqa: BLE001 - it printed nothing (or no store): say it here
         return False
