@@ -280,6 +280,8 @@ class Stage(StagePosition):
     def _run_layers(self, step: int, mb: int, x: Any, start: int = 0,
                     stop: int | None = None) -> Any:
         """Layers ``[start, stop)`` of the stage (default all) on ``x``, each seeded."""
+        if torch.is_grad_enabled() and torch.is_autocast_enabled(self.device.type):
+            x = _not_leaves(x)
         layers = self.layers[start:stop]
         seeds = layer_seeds(self.seed, step, mb, self.first_layer_index + start, len(layers))
         with fork_rng([self.device]) if self.restore_rng else nullcontext():
@@ -466,6 +468,20 @@ def _as_input_leaf(value: Any, grad_enabled: bool) -> Any:
     if grad_enabled and value.requires_grad and value.is_floating_point():
         return value.detach().requires_grad_(True)
     return value.detach()
+
+
+def _not_leaves(inputs: Any) -> Any:
+    """The input leaves that take a gradient, as views (which autograd passes through).
+
+    Autocast caches its cast of a leaf that requires grad (meant for weights): every use then
+    shares one cast, and the gradients of those uses are summed in bf16 before the cast back.
+    A stage's inputs are such leaves only because the pipeline cut the graph there; in the
+    plain module they are intermediate tensors, each use cast on its own and the gradients
+    summed in float32. Without this, a cut between two uses of a tensor (an encoder's output
+    read by two decoder layers) changed the gradients under autocast."""
+    leaves, spec = flatten(inputs)
+    return unflatten([x.view_as(x) if isinstance(x, Tensor) and x.is_leaf and x.requires_grad
+                      else x for x in leaves], spec)
 
 
 def _mark_requires_grad(outputs: Any) -> Any:

@@ -234,3 +234,4 @@ def test_loss_scaler_follows_grad_scaler_rules() -> None:
     assert restored.state_dict() == scaler.state_dict()
     with pytest.raises(ValueError, match="backoff_factor"):
         LossScaler(backoff_factor=2.0)
+
