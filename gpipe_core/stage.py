@@ -206,7 +206,8 @@ class Stage(StagePosition):
         # the autocast this forward runs in; a recomputation must run in it again
         autocast = AutocastState.current(self.device, self.precision)
         runs: list[_Run] | None = None
-        with autocast.applied(self.device):
+        # "fp32" runs as called: the state just read is the one in force, nothing to enter
+        with autocast.applied(self.device) if self.precision != "fp32" else nullcontext():
             if rematerialize and self._runs is not None:
                 outputs, loss, kept, runs = self._forward_runs(step, mb, leaves, spec, targets)
             elif rematerialize:
