@@ -67,6 +67,10 @@ class AmoebaNetConfig:
     # docs/RESULTS.md#mixed-precision); "fp16": autocast to float16 with dynamic loss scaling
     precision: str = "fp32"
     balance: tuple[int, ...] | None = None  # layers per stage; None = by measured time (by parameters above 50M)
+    # per-rank memory budget in MiB (parameters, gradients, optimizer state, kept activations, as
+    # gp.plan counts them); with one, gp.plan chooses checkpoint (per-stage kept layers
+    # included) and the balance (unless given) to fit; 0 = none
+    memory_budget_mb: float = 0.0
     timeout_s: float = 300.0  # a rank that does not answer for this long (in a step or any collective) fails the run, named
 
     # --- CPU knobs (gpipe_core.cpu; measured in docs/RESULTS.md) -----------------------------
@@ -138,7 +142,7 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
     for key in ("num_workers", "eval_every_epochs", "ckpt_every", "keep_checkpoints", "max_minutes",
                 "max_loss_factor", "color_jitter", "mixup", "cutmix", "weight_decay",
                 "warmup_epochs", "warmup_lr", "min_lr", "train_steps", "budget_minutes",
-                "goal_steps", "max_steps"):
+                "goal_steps", "max_steps", "memory_budget_mb"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
     if len(config.mean) != config.in_chans or len(config.std) != config.in_chans:

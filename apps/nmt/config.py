@@ -88,6 +88,10 @@ class NMTConfig:
     # and no compute to spare, so it keeps activations; GPU configs use "except_last")
     checkpoint: str = "never"
     balance: list[int] | None = None  # layers per stage; None = by measured time (rank 0)
+    # per-rank memory budget in MiB (parameters, gradients, optimizer state, kept activations, as
+    # gp.plan counts them); with one, gp.plan chooses checkpoint (per-stage kept layers
+    # included) and the balance (unless given) to fit; 0 = none
+    memory_budget_mb: float = 0.0
 
     # --- optimisation ---
     optimizer: str = "adam"  # "adam" or "adafactor"
@@ -166,7 +170,8 @@ class NMTConfig:
                 raise ConfigError(f"{name}={value} must be positive")
         non_negative = (
             "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every keep_checkpoints "
-            "max_train_tokens max_loss_factor length_penalty train_steps budget_minutes goal_steps"
+            "max_train_tokens max_loss_factor length_penalty train_steps budget_minutes goal_steps "
+            "memory_budget_mb"
         )
         for name in (*non_negative.split(), "seed", "corpus_seed"):
             value = getattr(self, name)
