@@ -30,7 +30,9 @@ P100 rows' 24-layer Transformer is T(12, 8192, 16) of the same width.
 
 The device assumptions (peak, achievable fraction, per-operator cost, link) are the presets'
 as documented in ``gpipe_core/devices.py``, taken from datasheets and published utilisation,
-not fitted to these tables.
+not fitted to these tables. Those with no measurement on these devices (``ASSUMED_CONSTANTS``)
+are varied x0.5 and x2, one at a time, for every cell of both tables (``table1_sensitivity``,
+``table2_sensitivity``).
 
     python scripts/reproduce_paper_scale.py            # minutes; docs/reproduction/paper_scale.json
     python scripts/reproduce_paper_scale.py --tiny --out /tmp/ps.json   # seconds, for tests
@@ -282,9 +284,14 @@ def ladder_position(family: Family, tiny: bool, params: float) -> float:
     return float(len(family.ladder) - 1)
 
 
-def table1(families: dict[str, Family], tiny: bool) -> list[dict[str, Any]]:
+def table1(families: dict[str, Family], tiny: bool, *, constant: str | None = None,
+           factor: float = 1.0, verbose: bool = True) -> list[dict[str, Any]]:
+    """Every Table 1 cell: the largest ladder size the planner's own choice fits, and the
+    memory model at the paper's size; ``constant``/``factor`` scale one assumed device
+    constant (the sensitivity check)."""
     rows = []
     for name, family in families.items():
+        family = replace(family, device=scaled_device(family.device, constant, factor))
         unit = family.unit
         for column, paper in family.paper.items():
             start = time.perf_counter()
@@ -313,7 +320,8 @@ def table1(families: dict[str, Family], tiny: bool) -> list[dict[str, Any]]:
                     params_ratio_to_paper=costs.num_parameters / paper["params"],
                     predicted_param_memory=sum(best.param_bytes) / unit,
                     predicted_activation_memory=sum(best.activation_bytes) / unit,
-                    plan=best.describe(), step_time_s=best.step_time)
+                    plan=best.describe(), microbatches=best.num_microbatches,
+                    step_time_s=best.step_time)
             # The memory model at the paper's own size and configuration.
             paper_costs = _costs(name, tiny, paper["size"])
             at_paper, fits = plan_at(paper_costs, family, column)
@@ -322,6 +330,7 @@ def table1(families: dict[str, Family], tiny: bool) -> list[dict[str, Any]]:
             row.update(
                 paper_size_params=paper_costs.num_parameters,
                 paper_size_fits=fits, paper_size_plan=at_paper.describe(),
+                paper_size_microbatches=at_paper.num_microbatches,
                 paper_param_memory=paper["param_mem"], param_memory_at_paper_size=param_mem,
                 param_memory_error=param_mem / paper["param_mem"] - 1,
                 paper_activation_memory=paper["act_mem"],
@@ -330,6 +339,8 @@ def table1(families: dict[str, Family], tiny: bool) -> list[dict[str, Any]]:
                 paper_bytes_per_parameter=paper["param_mem"] * unit / paper["params"],
                 seconds=time.perf_counter() - start)
             rows.append(row)
+            if not verbose:
+                continue
             print(f"{name:11s} {column:12s} predicted {row['predicted_size']} (paper "
                   f"{row['paper_size']}; {row.get('ladder_steps_from_paper')} steps) | at the "
                   f"paper's size: params {param_mem:.2f} vs {paper['param_mem']} "
@@ -618,6 +629,56 @@ def sensitivity(tiny: bool, costs: dict[str, Any], base: dict[str, Any]) -> dict
     return out
 
 
+def table1_sensitivity(families: dict[str, Family], tiny: bool,
+                       base: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every Table 1 cell planned again with each assumed device constant x0.5 and x2.
+
+    The constants set only time, but time picks the plan: the planner's own M (the fastest
+    plan that fits) and the balance (layers balanced by time), and through them the memory
+    per device, so the largest model that fits can move. Per cell: the largest ladder size,
+    its steps from the paper's size (and the change from the base prediction), the chosen M,
+    and the activation memory at the paper's size."""
+    out: dict[str, Any] = {"factors": list(SENSITIVITY_FACTORS), "constants": {}}
+    for constant in ASSUMED_CONSTANTS:
+        for factor in SENSITIVITY_FACTORS:
+            moved = table1(families, tiny, constant=constant, factor=factor, verbose=False)
+            cells = []
+            for b, m in zip(base, moved, strict=True):
+                both = b["predicted_size"] is not None and m["predicted_size"] is not None
+                act_b, act_m = (b["activation_memory_at_paper_size"],
+                                m["activation_memory_at_paper_size"])
+                cells.append({
+                    "family": m["family"], "column": m["column"],
+                    "paper_size": m["paper_size"], "base_predicted_size": b["predicted_size"],
+                    "predicted_size": m["predicted_size"],
+                    "ladder_steps_from_paper": m.get("ladder_steps_from_paper"),
+                    "within_one_step": m["within_one_step"],
+                    "steps_moved": (m["predicted_index"] - b["predicted_index"]) if both
+                    else (0 if b["predicted_size"] == m["predicted_size"] else None),
+                    "base_microbatches": b.get("microbatches"),
+                    "microbatches": m.get("microbatches"),
+                    "activation_memory_at_paper_size": act_m,
+                    "activation_change": act_m / act_b - 1 if act_b else None})
+            moves = [abs(c["steps_moved"]) for c in cells if c["steps_moved"] is not None]
+            key = f"{constant}_x{factor:g}"
+            out["constants"][key] = entry = {
+                "cells": cells,
+                "cells_within_one_step": sum(c["within_one_step"] for c in cells),
+                "cells_moved": sum(c["steps_moved"] != 0 for c in cells),
+                "largest_abs_steps_moved": max(moves) if len(moves) == len(cells) else None,
+                "cells_with_another_m": sum(c["microbatches"] != c["base_microbatches"]
+                                            for c in cells),
+                "largest_abs_activation_change": max(
+                    abs(c["activation_change"]) for c in cells
+                    if c["activation_change"] is not None)}
+            print(f"table 1 sensitivity {key}: {entry['cells_within_one_step']}/{len(cells)} "
+                  f"within one step, {entry['cells_moved']} cells moved (largest "
+                  f"{entry['largest_abs_steps_moved']} steps), {entry['cells_with_another_m']} "
+                  f"with another M, activations at the paper's size move up to "
+                  f"{entry['largest_abs_activation_change']:.1%}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny ladders (seconds, for tests)")
@@ -642,6 +703,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     costs2 = table2_costs(args.tiny)
     report["table2"] = table2(args.tiny, costs2)
     report["table2_sensitivity"] = sensitivity(args.tiny, costs2, report["table2"])
+    report["table1_sensitivity"] = table1_sensitivity(families, args.tiny, rows)
     report["table1_leave_one_family_out"] = {
         "what": "each family's pipelined cells predicted with the M that fits the OTHER "
                 "family's paper cells best (nothing calibrated on the family predicted); the "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.reproduce_paper_scale import main
+from scripts.reproduce_paper_scale import main, paper_families, table1
 from tests.scripts.published import assert_provenance
 
 
@@ -66,3 +66,34 @@ def test_paper_scale_script_end_to_end_on_a_tiny_ladder(tmp_path: Path) -> None:
         assert len(entry["cells"]) == len(table2["comparisons"])
     # halving the achievable fraction slows compute, not messages: some cell moves
     assert sens["achievable_x0.5"]["largest_abs_change"] > 0
+    # Issue 40: every Table 1 cell again with each assumed constant x0.5 and x2, in the base
+    # table's order, each cell's move from the base prediction consistent with its sizes.
+    sens1 = report["table1_sensitivity"]["constants"]
+    assert set(sens1) == set(sens)
+    for entry in sens1.values():
+        assert [(c["family"], c["column"]) for c in entry["cells"]] == [
+            (r["family"], r["column"]) for r in rows]
+        for cell, row in zip(entry["cells"], rows, strict=True):
+            assert cell["base_predicted_size"] == row["predicted_size"]
+            assert cell["base_microbatches"] == row["microbatches"]
+            assert (cell["steps_moved"] == 0) == (cell["predicted_size"] == row["predicted_size"])
+        assert entry["cells_within_one_step"] == sum(c["within_one_step"] for c in entry["cells"])
+        assert entry["cells_moved"] == sum(c["steps_moved"] != 0 for c in entry["cells"])
+
+
+def test_table1_sensitivity_reaches_the_plan() -> None:
+    """The constants set only time, yet time picks the plan (the fastest that fits), so a
+    scaled constant reaches Table 1's cells: with operator calls 1000x cheaper, the tiny
+    AmoebaNet's pipeline-2 plan at the paper's size takes more micro-batches and holds less."""
+    families = paper_families(tiny=True)
+    base = {(r["family"], r["column"]): r for r in table1(families, True, verbose=False)}
+    cheap = {(r["family"], r["column"]): r
+             for r in table1(families, True, constant="op_overhead", factor=1e-3,
+                             verbose=False)}
+    cell = ("amoebanet", "pipeline-2")
+    assert cheap[cell]["paper_size_microbatches"] > base[cell]["paper_size_microbatches"]
+    assert (cheap[cell]["activation_memory_at_paper_size"]
+            < base[cell]["activation_memory_at_paper_size"])
+    # an unscaled device is the base prediction, cell for cell
+    same = table1(families, True, constant="link_latency", factor=1.0, verbose=False)
+    assert [r["predicted_size"] for r in same] == [r["predicted_size"] for r in base.values()]
