@@ -47,7 +47,12 @@ class CheckpointError(FileNotFoundError):
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (full disk, quota, ...); the message says which one,
     the free space, which earlier checkpoint is intact, and the command that continues
-    (``apps.harness.writes.failure_message``)."""
+    (``apps.harness.writes.failure_message``). ``same_on_every_rank``: the checkpoint's
+    folder; every rank that fails on it says one failure, so only rank 0 prints it."""
+
+    def __init__(self, message: str, *, checkpoint: Path | None = None) -> None:
+        super().__init__(message)
+        self.same_on_every_rank = None if checkpoint is None else str(checkpoint)
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
@@ -139,7 +144,8 @@ def write_checkpoint(
         kept = (f"the previous checkpoint {out_dir / previous} is intact and {LATEST} still "
                 "names it" if previous else "there is no earlier checkpoint")
         raise CheckpointWriteError(
-            failure_message(out_dir, f"checkpoint {path}", error, intact=(kept, bool(previous)))
+            failure_message(out_dir, f"checkpoint {path}", error, intact=(kept, bool(previous))),
+            checkpoint=path,
         ) from error
     return path
 

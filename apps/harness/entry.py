@@ -15,6 +15,7 @@ import gpipe_core as gp
 from apps.config import ConfigError
 from apps.harness.checkpoints import CheckpointError, CheckpointWriteError
 from apps.harness.guards import DivergenceError, Interrupted
+from apps.harness.loop import progress_bar_open
 from apps.harness.writes import RunWriteError
 
 CLEAR_ERRORS: tuple[type[BaseException], ...] = (
@@ -46,7 +47,7 @@ def run_main(main: Callable[[], Any], *, command: str,
         gp.report_failure(error)
         if _first_to_say(error):
             _close_progress_bars()
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print(f"{_line_start()}error: {error}", file=sys.stderr, flush=True)
         sys.exit(2 if isinstance(error, ConfigError) else 1)  # 2: a usage error, as argparse
     except Exception as error:
         # a bug: its traceback follows, but the other ranks name it rather than a hang
@@ -65,10 +66,26 @@ def _close_progress_bars() -> None:
         pass
 
 
+def _line_start() -> str:
+    """A newline on a rank other than 0 while rank 0's progress bar is open: the ranks share
+    the terminal (or torchrun's log), and the bar's last redraw ends without one."""
+    if int(os.environ.get("RANK", "0")) != 0 and progress_bar_open():
+        return "\n"
+    return ""
+
+
+def _said_as(error: BaseException) -> str:
+    """What rank 0 and another rank compare to tell whether they say the same thing: the
+    error's ``same_on_every_rank`` when it has one (a checkpoint that did not fit names each
+    rank's own file, but it is one failure: the folder), else its text."""
+    same = getattr(error, "same_on_every_rank", None)
+    return f"{type(error).__name__}: {same if same is not None else error}"
+
+
 def _first_to_say(error: BaseException) -> bool:
     """Rank 0 says its error; another rank only one that rank 0 does not say as well."""
     rank = int(os.environ.get("RANK", "0"))
-    text = f"{type(error).__name__}: {error}"
+    text = _said_as(error)
     try:
         store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
     except Exception:  # noqa: BLE001
@@ -82,22 +99,24 @@ def _first_to_say(error: BaseException) -> bool:
     try:
         if rank == 0:
             return True
-        store.wait(["apps/error/0"], datetime.timedelta(seconds=2))
-        return bool(store.get("apps/error/0").decode() != text)
+        store.wait(["apps/said/0"], datetime.timedelta(seconds=2))
+        return bool(store.get("apps/said/0").decode() != text)
     except Exception:  # noqa: BLE001 - rank 0 said nothing (or no store): say it here
         return True
 
 
 def _record_said(error: BaseException) -> None:
-    """Put this rank's error line in the c10d store (``apps/error/<rank>``): rank 0's is
-    compared by the others, and a survivor that would only repeat it stays silent."""
+    """Put this rank's error line in the c10d store (``apps/error/<rank>``), and what it is
+    compared by (``apps/said/<rank>``, :func:`_said_as`): rank 0's is compared by the others,
+    and a survivor that would only repeat it stays silent."""
     if isinstance(error, gp.PipelineFailure):
         return
     try:
         store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         if store is not None:
-            store.set(f"apps/error/{int(os.environ.get('RANK', '0'))}",
-                      f"{type(error).__name__}: {error}")
+            rank = int(os.environ.get("RANK", "0"))
+            store.set(f"apps/error/{rank}", f"{type(error).__name__}: {error}")
+            store.set(f"apps/said/{rank}", _said_as(error))
     except Exception:  # noqa: BLE001 - a side channel: without it, every rank speaks
         pass
 

@@ -56,6 +56,16 @@ from apps.harness.run_log import RunLogger
 from apps.harness.writes import guarded_write
 from apps.validation import check_world
 
+# On every rank: whether rank 0's progress bar is open, so that rank 0's terminal line may end
+# in a half-drawn bar (tqdm redraws with "\r"). Another rank that prints while it is starts
+# with a newline (apps.harness.entry), or its line would be glued to the bar's.
+_BAR = [False]
+
+
+def progress_bar_open() -> bool:
+    """Whether rank 0's progress bar is open (read on any rank)."""
+    return _BAR[0]
+
 # what the stop vote says (TrainingLoop.vote), besides None (go on)
 STOP = "stop"  # rank 0 ends the run (a budget, the clock)
 DATA_ENDED = "data_ended"  # a replica's data ran dry: the epoch ends for every rank
@@ -190,7 +200,14 @@ class TrainingLoop:
         self.bar = tqdm(total=total, initial=initial, unit=unit, unit_scale=unit_scale,
                         disable=not self.run.master, dynamic_ncols=True, file=sys.stderr,
                         mininterval=2.0)
+        _BAR[0] = True
         return self.bar
+
+    def close_bar(self) -> None:
+        """Rank 0's bar closed (a no-op elsewhere, and when there is none or it is closed)."""
+        if self.bar is not None:
+            self.bar.close()
+        _BAR[0] = False
 
     def announce(self, text: str, *, total: int | None = None) -> None:
         """A line above rank 0's bar (and its new total)."""
@@ -231,8 +248,7 @@ class TrainingLoop:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[2]:
             path = self.checkpoint(step)
-            if self.bar is not None:
-                self.bar.close()
+            self.close_bar()
             self.logger.close()
             raise self.interrupt.stop(step=step, checkpoint=path, master=self.run.master)
         if flags[0]:
@@ -271,8 +287,7 @@ class TrainingLoop:
     def finish(self, step: int) -> Path:
         """After the loop: rank 0's bar closed, and the last step checkpointed (unless it
         already is); the checkpoint's folder, which the final evaluation scores."""
-        if self.bar is not None:
-            self.bar.close()
+        self.close_bar()
         return self.checkpoint(step)
 
     def close(self, summary: dict[str, Any] | None) -> dict[str, Any] | None:

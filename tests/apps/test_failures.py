@@ -241,6 +241,31 @@ def test_a_rank_that_stops_answering_is_named_within_the_bound(
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_rank_1_names_a_stopped_rank_0_on_a_line_of_its_own(
+    shards: Path, tmp_path: Path
+) -> None:
+    """Rank 0's progress bar leaves its terminal line half drawn (tqdm redraws it with "\\r");
+    rank 1, which shares the terminal, starts its error on a new line instead of after it."""
+    out_dir, log = tmp_path / "run", tmp_path / "out.txt"
+    process = launch(long_run(shards, out_dir, timeout_s=4), log)
+    wait_for(lambda: logged_steps(out_dir) >= 2, process, log)
+    pids = worker_pids(process.pid)
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        wait_for(lambda: "rank 1 " in log.read_text() and "stops" in log.read_text(),
+                 process, log, timeout_s=30)
+    finally:
+        os.kill(pids[0], signal.SIGKILL)
+    output = finish(process, log)
+    assert process.returncode != 0
+    said = [line for line in output.splitlines() if "error: rank 1" in line]
+    assert len(said) == 1, output[-3000:]
+    assert said[0].startswith("error: rank 1"), said[0]  # not "  3%|...| 3/100 [...]error: ..."
+    assert "rank 0" in said[0], said[0]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_resume_falls_back_past_a_damaged_checkpoint(shards: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     subprocess_output(tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2),

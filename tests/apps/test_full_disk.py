@@ -115,3 +115,40 @@ def test_a_disk_that_fills_between_checkpoints_stops_the_run_with_one_line(
     assert (out_dir / "latest").read_text() == "step-0000002\n"
     print(f"\nthe run stopped {elapsed:.1f} s after launch, after step {len(records)}:\n"
           f"{errors[0]}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_checkpoint_that_does_not_fit_is_one_line_from_one_rank(
+        corpus: Path, tmp_path: Path) -> None:
+    """Every rank writes its own shards, so a full disk at checkpoint time fails on each: the
+    run says it once (rank 0 names its file; the folder is the same failure), not once per
+    rank, and the line starts a line of its own (not glued to rank 0's progress bar)."""
+    out_dir = tmp_path / "run"
+    args = nmt_args(corpus, out_dir, log_every=1, ckpt_every=2, timeout_s=20)
+    log = tmp_path / "first.txt"
+    process = launch([*args, "--max_steps=2"], log, module="apps.nmt.train")
+    assert (output := finish(process, log, timeout_s=150)) and process.returncode == 0, output
+    intact = out_dir / "step-0000002"
+    shards = sorted(intact.glob("shard-*.pt"))
+    assert len(shards) >= 2, shards  # one (at least) per rank
+    limit = (out_dir / "log.jsonl").stat().st_size + 3000  # the log goes on; no shard fits
+    assert limit < min(p.stat().st_size for p in shards)
+    log = tmp_path / "second.txt"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # inherited by torchrun's ranks
+    try:
+        process = launch([*args, "--resume", "--max_steps=4"], log, module="apps.nmt.train")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    output = finish(process, log, timeout_s=150)
+    assert process.returncode != 0
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1, output[-3000:]
+    assert errors[0].startswith(f"error: could not write checkpoint {out_dir / 'step-0000004'}: "
+                                "[Errno 27] File too large: "), errors[0]
+    assert (f"the previous checkpoint {intact} is intact and latest still names it"
+            in errors[0]), errors[0]
+    assert errors[0].endswith(" --resume`"), errors[0]
+    assert (out_dir / "latest").read_text() == "step-0000002\n"
+    assert not (out_dir / "step-0000004" / "index.json").exists()
