@@ -11,6 +11,7 @@ the largest that fits.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import gpipe_core as gp
+from apps.config import ConfigError
 from gpipe_core.costs import structural_key
 
 GiB = 2**30
@@ -170,3 +172,73 @@ def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
         cut = argv.index("--")
         return argv[:cut], argv[cut + 1:]
     return argv, []
+
+
+# ---------------------------------------------------------------------------------------------
+# A train run's per-rank memory budget (``memory_budget_mb``)
+
+MiB = 2**20
+# One core of the CPU the apps train on, for gp.plan's time model: a single-thread fp32 matmul
+# of 256-512 squared ran at 40 GFLOP/s (AMD EPYC, torch 1 thread), a tiny operator took 5.5 us
+# (measured 2027-01 on the project's machine). It ranks the choices; the budget is bytes.
+CPU_CORE = gp.Device("cpu_core", memory_bytes=64 * GiB, peak_flops=80e9, achievable=0.5,
+                     op_overhead=5.5e-6, link_bandwidth=2e9, link_latency=50e-6,
+                     source="measured: 1-thread fp32 matmul 40 GFLOP/s, 5.5 us per tiny op")
+# What a budget lets the planner choose among: the fixed modes and kept layers per stage
+BUDGET_CHECKPOINTS = ("never", "except_last", "always", "selective")
+
+
+def budget_batch(model: AppModel, chunks: int) -> int:
+    """The samples per mini-batch the budget is planned for: the app's batch, down to a multiple
+    of ``chunks`` (gp.plan splits it into whole micro-batches), at least ``chunks``."""
+    return max(chunks, model.batch_size - model.batch_size % chunks)
+
+
+def budget_plan(model: AppModel, *, budget_mb: float, num_stages: int, chunks: int,
+                schedule: str, balance: Sequence[int] | None = None,
+                checkpoints: Sequence[str | gp.Remat] = BUDGET_CHECKPOINTS,
+                costs: gp.LayerCosts | None = None) -> gp.Plan:
+    """The fastest plan at the run's K, M and schedule whose per-rank peak (parameters,
+    gradients, optimizer state, kept activations: gp.plan's count on ``meta``) fits
+    ``budget_mb``, choosing the re-materialization (a mode, or kept layers per stage) and,
+    unless ``balance`` is given, the balance. ConfigError naming the budget, the smallest
+    feasible peak and the fix when nothing fits."""
+    if costs is None:
+        costs = _counted(model, model.depth, torch.float32)
+    batch = budget_batch(model, chunks)
+    try:
+        return gp.plan(costs, device=CPU_CORE, optimizer=model.optimizer, batch_size=batch,
+                       stages=[num_stages], microbatches=[chunks], schedule=schedule,
+                       checkpoints=list(checkpoints), memory_budget=budget_mb * MiB,
+                       balance=list(balance) if balance is not None else None)[0]
+    except gp.NoPlanFits as error:
+        smallest = error.smallest_peak / MiB
+        raise ConfigError(
+            f"memory_budget_mb={budget_mb:g} fits no plan of num_stages={num_stages}, "
+            f"chunks={chunks}, schedule={schedule!r}: the smallest feasible per-rank peak is "
+            f"{smallest:.1f} MiB; give memory_budget_mb >= "
+            f"{math.ceil(smallest * 10) / 10:g}, more num_stages or chunks, or 0 for no budget"
+        ) from None
+
+
+def describe_budget_plan(best: gp.Plan, budget_mb: float) -> str:
+    """One line for the run's log: the chosen re-materialization and the predicted peaks."""
+    peaks = ", ".join(f"{(p + a) / MiB:.1f}" for p, a in
+                      zip(best.param_bytes, best.activation_bytes, strict=True))
+    return (f"memory budget {budget_mb:g} MiB per rank: gp.plan chose checkpoint="
+            f"{best.checkpoint} balance={best.balance} ({best.schedule}, M="
+            f"{best.num_microbatches}); predicted per-rank peak [{peaks}] MiB (parameters, "
+            f"gradients, optimizer state, kept activations), {best.step_time:.3f} s/step "
+            f"predicted")
+
+
+def plan_for_budget(model: AppModel, config: Any,
+                    balance: Sequence[int] | None = None) -> gp.Plan | None:
+    """A train run's plan under ``config.memory_budget_mb`` at its ``num_stages``, ``chunks``
+    and ``schedule`` (None without a budget); ``balance``: a fixed one (the config's, or a
+    resumed checkpoint's). Run before any process group, so that a budget nothing fits is one
+    ``error:`` line, and again where the pipeline is built."""
+    if not config.memory_budget_mb:
+        return None
+    return budget_plan(model, budget_mb=config.memory_budget_mb, num_stages=config.num_stages,
+                       chunks=config.chunks, schedule=config.schedule, balance=balance)

@@ -10,7 +10,10 @@ and the fix:
   (:func:`check_timeout`).
 - *relations*: ``balance`` against the model's layers and ``num_stages``
   (:func:`check_balance`, both apps), ``num_stages`` against the world size torchrun
-  launched (:func:`check_world`, the train scripts, from ``WORLD_SIZE`` before any group).
+  launched (:func:`check_world`, the train scripts, from ``WORLD_SIZE`` before any group);
+  ``memory_budget_mb`` against the smallest per-rank peak any plan of the run's K, M and
+  schedule reaches (``apps.planning.plan_for_budget``, counted on ``meta``, the train scripts
+  before any group): the error names the budget, that peak and the fix.
 
 The inference commands (translate, evaluate, classify) parse their flags with
 :class:`CommandParser`, whose errors are one ``error:`` line too (rank 0 only under torchrun),

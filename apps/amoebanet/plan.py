@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from apps.amoebanet.config import build_model, load_amoebanet_config
+from apps.amoebanet.config import AmoebaNetConfig, build_model, load_amoebanet_config
 from apps.config import ConfigError
 from apps.planning import (
     AppModel,
@@ -29,6 +29,23 @@ from apps.planning import (
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
+def app_model(config: AmoebaNetConfig) -> AppModel:
+    """The planner's view of the config's model: built on ``meta``, ``batch_size`` images."""
+
+    def build(depth: int) -> torch.nn.Sequential:
+        return build_model(dataclasses.replace(config, num_normal_cells=depth), device="meta")
+
+    side = config.image_size
+    return AppModel(
+        build=build, depth=config.num_normal_cells, depth_name="L",
+        # two images: training BatchNorm needs more than one value per channel (1x1 maps)
+        sample=torch.empty(2, config.in_chans, side, side, device="meta"),
+        batch_size=config.batch_size, unit="images", tokens_per_sample=1,
+        optimizer=optimizer_name(config.optimizer, config.momentum),
+        describe=f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}) at "
+                 f"{side}x{side}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     options, overrides = split_overrides(argv)
     args = parser("amoebanet").parse_args(options)
@@ -39,20 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_amoebanet_config([f"--config={path}", *overrides])
     except ConfigError as error:
         return config_error(error, CONFIG_DIR)
-
-    def build(depth: int) -> torch.nn.Sequential:
-        return build_model(dataclasses.replace(config, num_normal_cells=depth), device="meta")
-
-    side = config.image_size
-    model = AppModel(
-        build=build, depth=config.num_normal_cells, depth_name="L",
-        # two images: training BatchNorm needs more than one value per channel (1x1 maps)
-        sample=torch.empty(2, config.in_chans, side, side, device="meta"),
-        batch_size=config.batch_size, unit="images", tokens_per_sample=1,
-        optimizer=optimizer_name(config.optimizer, config.momentum),
-        describe=f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}) at "
-                 f"{side}x{side}")
-    return run(model, args)
+    return run(app_model(config), args)
 
 
 if __name__ == "__main__":

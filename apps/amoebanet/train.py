@@ -68,6 +68,7 @@ from apps.amoebanet.data import (
 )
 from apps.amoebanet.evaluate import TRAIN_COMMAND, evaluate_pipeline, write_report
 from apps.amoebanet.loss import build_train_loss
+from apps.amoebanet.plan import app_model as amoebanet_app_model
 from apps.budget import RunLength
 from apps.config import ConfigError
 from apps.harness.entry import run_main
@@ -85,6 +86,7 @@ from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
 from apps.harness.writes import guarded_write
+from apps.planning import describe_budget_plan, plan_for_budget
 from data.image_shards import dataset_is_complete
 
 # Models up to this size are balanced by the measured time of each layer on rank 0 (a full
@@ -97,6 +99,7 @@ RESUMABLE_CHANGES = frozenset({
     "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
     "ckpt_every", "keep_checkpoints", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
     "budget_minutes", "train_steps",  # the length the checkpoint records is the one resumed
+    "memory_budget_mb",  # re-materialization only: every choice gives the same step
     "goal_steps", "resume", "max_steps",  # run options
     "precision",  # the weights stay float32 whatever the compute dtype
 })
@@ -192,10 +195,11 @@ def amoebanet_balance(config: AmoebaNetConfig, device: torch.device) -> list[int
                           max_parameters=PROFILE_MAX_PARAMETERS)
 
 
-def amoebanet_pipeline(config: AmoebaNetConfig, run: Run, balance: list[int]
-                       ) -> tuple[gp.DistributedGPipe, int]:
+def amoebanet_pipeline(config: AmoebaNetConfig, run: Run, balance: list[int],
+                       checkpoint: Any = None) -> tuple[gp.DistributedGPipe, int]:
     """The model built on meta, each rank materializing only its own stage; its parameter
-    count. Micro-batch BatchNorm keeps mini-batch running statistics."""
+    count. Micro-batch BatchNorm keeps mini-batch running statistics. ``checkpoint``: the
+    re-materialization planned for a memory budget (default: the config's)."""
     model = build_model(config, device="meta")
     num_params = sum(p.numel() for p in model.parameters())
     train_loss = build_train_loss(config)
@@ -211,7 +215,7 @@ def amoebanet_pipeline(config: AmoebaNetConfig, run: Run, balance: list[int]
         model,
         balance,
         chunks=config.chunks,
-        checkpoint=config.checkpoint,
+        checkpoint=config.checkpoint if checkpoint is None else checkpoint,
         schedule=config.schedule,
         loss_fn=loss_fn,
         group=run.pipeline_group,
@@ -434,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # --- config and run (config errors stop every rank before any process group exists) ---
     config = load_train_config(sys.argv[1:] if argv is None else argv)
     check_dataset(config)
+    # with memory_budget_mb, a budget nothing fits is refused here, before any process group
+    plan_for_budget(amoebanet_app_model(config), config, config.balance)
     # one thread per rank: the stages are the parallelism on CPU
     run = start_run(config, device="auto", num_threads=1)
     images_per_step = config.batch_size * run.num_replicas
@@ -449,8 +455,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     resume_dir, state = find_resume(config, run, load_config=load_amoebanet_config,
                                     train_command=TRAIN_COMMAND.format(out_dir=config.out_dir),
                                     may_change=RESUMABLE_CHANGES)
-    balance = list(state["balance"]) if state else amoebanet_balance(config, run.device)
-    pipe, num_params = amoebanet_pipeline(config, run, balance)
+    # with memory_budget_mb, gp.plan chooses the re-materialization (per-stage kept layers
+    # included) and, unless the config or the checkpoint fixes it, the balance
+    fixed = list(state["balance"]) if state else config.balance
+    best = plan_for_budget(amoebanet_app_model(config), config, fixed)
+    if best is not None:
+        run.say(describe_budget_plan(best, config.memory_budget_mb))
+        balance = list(best.balance)
+    else:
+        balance = list(state["balance"]) if state else amoebanet_balance(config, run.device)
+    pipe, num_params = amoebanet_pipeline(config, run, balance,
+                                          best.checkpoint if best is not None else None)
     optimizer, length = optimization(config, pipe, state, updates_per_epoch)
     scheduler = make_scheduler(config, optimizer, updates_per_epoch, length.steps)
     run.say(describe(config, run, balance, num_params, train_images=train_images,

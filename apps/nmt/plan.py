@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from apps.config import ConfigError
-from apps.nmt.config import CONFIG_DIR, build_model, load_nmt_config
+from apps.nmt.config import CONFIG_DIR, NMTConfig, build_model, load_nmt_config
 from apps.planning import (
     AppModel,
     config_error,
@@ -26,6 +26,23 @@ from apps.planning import (
 )
 
 
+def app_model(config: NMTConfig) -> AppModel:
+    """The planner's view of the config's model: built on ``meta``, one sentence pair of
+    ``max_len`` tokens a side, a batch of ``max_tokens`` split in such pairs."""
+    seq = config.max_len
+
+    def build(depth: int) -> torch.nn.Sequential:
+        return build_model(dataclasses.replace(config, num_layers=depth), device="meta")
+
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    return AppModel(
+        build=build, depth=config.num_layers, depth_name="L", sample=(ids, ids),
+        batch_size=max(1, config.max_tokens // (2 * seq)), unit="sentence pairs",
+        tokens_per_sample=2 * seq, optimizer=optimizer_name(config.optimizer),
+        describe=f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d_model "
+                 f"{config.d_model}, vocabulary {config.vocab_size}, {seq} tokens a side")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     options, overrides = split_overrides(argv)
     args = parser("nmt").parse_args(options)
@@ -33,19 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_nmt_config([f"--config={args.config}", *overrides])
     except ConfigError as error:
         return config_error(error, CONFIG_DIR)
-    seq = config.max_len
-
-    def build(depth: int) -> torch.nn.Sequential:
-        return build_model(dataclasses.replace(config, num_layers=depth), device="meta")
-
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    model = AppModel(
-        build=build, depth=config.num_layers, depth_name="L", sample=(ids, ids),
-        batch_size=max(1, config.max_tokens // (2 * seq)), unit="sentence pairs",
-        tokens_per_sample=2 * seq, optimizer=optimizer_name(config.optimizer),
-        describe=f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d_model "
-                 f"{config.d_model}, vocabulary {config.vocab_size}, {seq} tokens a side")
-    return run(model, args)
+    return run(app_model(config), args)
 
 
 if __name__ == "__main__":

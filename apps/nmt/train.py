@@ -66,6 +66,8 @@ from apps.nmt.evaluate import (
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
 from apps.nmt.monitor import gather_stability
 from apps.nmt.pipelined_search import pipeline_search
+from apps.nmt.plan import app_model as nmt_app_model
+from apps.planning import describe_budget_plan, plan_for_budget
 
 # Config keys a resumed run may change (apps.harness.checkpoints.check_resumable): budgets,
 # logging, evaluation, runtime, and the schedule and re-materialization mode (the library gives the same
@@ -77,7 +79,7 @@ RESUMABLE_CHANGES = frozenset({
     "ckpt_every", "keep_checkpoints", "wandb_project", "wandb_mode", "beam_size",
     "length_penalty", "max_decode_len", "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "precision",
     "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
-    "quiet_io", "schedule", "checkpoint", "packages", "unk_id", "bos_id", "eos_id",
+    "quiet_io", "schedule", "checkpoint", "memory_budget_mb", "packages", "unk_id", "bos_id", "eos_id",
     "label_smoothing", "lr", "warmup_steps", "lr_schedule", "adam_beta1", "adam_beta2",
     "clip_norm", "weight_decay",
 })
@@ -294,9 +296,17 @@ def nmt_data(config: NMTConfig, run: Run) -> tuple[NMTConfig, Tokenizer, TrainBa
 def nmt_pipeline(config: NMTConfig, run: Run, state: dict[str, Any]
                  ) -> tuple[gp.DistributedGPipe, list[int], int]:
     """The model built on meta, each rank materialising only its own stage; its balance (the
-    checkpoint's when resuming) and its parameter count."""
+    checkpoint's when resuming) and its parameter count. With ``memory_budget_mb``, gp.plan
+    chooses the re-materialization (per-stage kept layers included) and, unless the config or
+    the checkpoint fixes it, the balance."""
     model = build_model(config, device="meta")
-    if "balance" in state:
+    checkpoint: Any = config.checkpoint
+    fixed = list(state["balance"]) if "balance" in state else config.balance
+    best = plan_for_budget(nmt_app_model(config), config, fixed)
+    if best is not None:
+        balance, checkpoint = list(best.balance), best.checkpoint
+        run.say(describe_budget_plan(best, config.memory_budget_mb))
+    elif "balance" in state:
         balance = list(state["balance"])
     elif config.resume or config.balance is not None:  # checkpoints before balance was saved
         balance = list(config.balance or gp.balance_by_params(model, config.num_stages))
@@ -312,7 +322,7 @@ def nmt_pipeline(config: NMTConfig, run: Run, state: dict[str, Any]
         model,
         balance,
         chunks=config.chunks,
-        checkpoint=config.checkpoint,
+        checkpoint=checkpoint,
         schedule=config.schedule,
         loss_fn=loss_fn,
         loss_reduction="sum",  # divided by the step's target-token count (normalizer)
@@ -509,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     # --- config and run: out_dir checked and locked, process groups ------------------------
     config = load_nmt_config(sys.argv[1:] if argv is None else argv)
+    plan_for_budget(nmt_app_model(config), config, config.balance)  # a budget nothing fits: refused
     run = start_run(config, device=config.device, num_threads=config.num_threads)
 
     # --- data: corpus (built once, by rank 0), tokenizer, training stream -----------------

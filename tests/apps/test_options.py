@@ -62,6 +62,8 @@ RELATIONS: dict[str, list[str]] = {
     "balance": ["[]", "[-1,5]", "[0,4]", "[1,1]", "[x]", "[2.5,3]", "nan", "[3,3,2]"],
     "timeout_s": ["0.001", str(MIN_TIMEOUT_S / 2)],
     "bucket_thresholds": ["[1,2]", "[5]", "nan", "[x,1]"],
+    # a per-rank budget below the smallest feasible peak (everything re-materialized)
+    "memory_budget_mb": ["0.001", "1"],
 }
 
 
