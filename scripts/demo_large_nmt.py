@@ -161,7 +161,7 @@ def measured_training(train_argv: list[str], out: Path) -> None:
 
 def measured_whole_model(what: str, checkpoint: Path, out: Path) -> None:
     """One process holding the whole model: ``load`` the checkpoint into the plain model (as
-    ``apps.nmt.evaluate.load_model`` does for one-process evaluation), or a ``train-step``: the
+    ``apps.nmt.checkpoint_loading.load_model`` does for one-process evaluation), or a ``train-step``: the
     plain model, Adam and one step on the run's first training batch."""
     import torch
 
@@ -170,7 +170,7 @@ def measured_whole_model(what: str, checkpoint: Path, out: Path) -> None:
     config = load_nmt_config([f"--config={checkpoint / 'config.yaml'}"])
     baseline = start_baseline()
     if what == "load":
-        from apps.nmt.evaluate import load_model
+        from apps.nmt.checkpoint_loading import load_model
 
         model = load_model(config, checkpoint, torch.device("cpu"))
     else:

@@ -92,6 +92,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from apps.nmt.checkpoint_loading import load_model
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config
 from apps.nmt.data import (
     CorpusError,
@@ -100,7 +101,7 @@ from apps.nmt.data import (
     load_tokenizer,
     resource_buckets,
 )
-from apps.nmt.evaluate import Sentence, load_eval_sentences, load_model, translate
+from apps.nmt.decoding import Sentence, load_eval_sentences, translate
 from apps.nmt.model import count_parameters
 from data.related_languages.build import DESIGN, Design
 from data.related_languages.build import build as build_related
@@ -269,7 +270,7 @@ def pairs_seen(config: NMTConfig, steps: int) -> dict[str, int]:
 def score_checkpoints(out_dir: Path, config: NMTConfig, *, test_per_lang: int | None,
                       beam_size: int) -> dict[str, Any]:
     """Dev loss per language at every checkpoint; test statistics of the best one."""
-    from apps.nmt.evaluate import train_languages
+    from apps.nmt.decoding import train_languages
 
     tokenizer = load_tokenizer(config.data_dir)
     languages = train_languages(config)

@@ -39,9 +39,10 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 import gpipe_core as gp
+from apps.amoebanet.checkpoint_loading import load_model
+from apps.amoebanet.commands import TRAIN_COMMAND
 from apps.amoebanet.config import AmoebaNetConfig, load_amoebanet_config
 from apps.amoebanet.data import DatasetNotFoundError, build_transform, class_names
-from apps.amoebanet.evaluate import TRAIN_COMMAND, load_model
 from apps.amoebanet.model import min_image_size
 from apps.config import ConfigError
 from apps.harness.checkpoints import CheckpointError, require_app, resolve_checkpoint

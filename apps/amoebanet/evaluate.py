@@ -1,6 +1,5 @@
-"""Evaluation of AmoebaNet: top-1 / top-5, loss and the confusion matrix, through the pipeline
-during training (``evaluate_pipeline``) or of a checkpoint (``make eval-amoebanet``), and the
-report both write (JSON and a confusion-matrix PNG)::
+"""The command that scores an AmoebaNet checkpoint (``make eval-amoebanet``): top-1 / top-5,
+loss and the confusion matrix::
 
     python -m apps.amoebanet.evaluate --ckpt runs/amoebanet --split test [--out PATH]
         [--threads 2] [--device cpu|cuda] [--key=value ...]
@@ -27,202 +26,56 @@ split by parameters); the images go through ``DistributedGPipe.evaluate``
 (forward only, BatchNorm in eval mode, ``chunks`` micro-batches) and the counts are summed
 over the world. Top-1, top-5 and the confusion matrix equal the one-process numbers exactly;
 the loss agrees to rounding (micro-batches change the order of floating-point sums). Rank 0
-writes the report.
+writes the report; a report that cannot be written is one ``error:`` line naming the file and
+the free space (``apps.report_writes``), exit status 1.
+
+The work is in the modules below: ``apps.amoebanet.checkpoint_loading`` (the checkpoint and its
+config; its weights, or this rank's stage) and ``apps.amoebanet.scoring`` (the metrics, through
+the pipeline as in training, and the report's JSON and PNG).
 """
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
 
 import gpipe_core as gp
-from apps.amoebanet.config import AmoebaNetConfig, build_model, load_amoebanet_config
-from apps.amoebanet.data import (
-    DatasetNotFoundError,
-    build_eval_loader,
-    class_names,
-    shard_infos,
+from apps.amoebanet.checkpoint_loading import find_checkpoint, load_model, load_pipeline
+from apps.amoebanet.data import DatasetNotFoundError, build_eval_loader, class_names
+from apps.amoebanet.scoring import (
+    ClassificationMetrics,
+    evaluate_pipeline,
+    plot_report,
+    write_json,
 )
 from apps.config import ConfigError
-from apps.harness.checkpoints import (
-    CheckpointError,
-    agree_on_checkpoint,
-    require_app,
-    resolve_checkpoint,
-    unpin,
-)
-from apps.harness.run import Run, end_run, setup_run
+from apps.harness.checkpoints import CheckpointError, unpin
+from apps.harness.run import end_run
+from apps.report_writes import ReportWriteError, report_write
 from apps.validation import CommandParser, at_least, device_name, threads
 
-TRAIN_COMMAND = (
-    "python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d "
-    "--rdzv-endpoint 127.0.0.1:0 -m apps.amoebanet.train --out_dir={out_dir}"
-)
-
-
-def load_model(config: AmoebaNetConfig, checkpoint: Path, device: torch.device) -> nn.Module:
-    """The plain ``nn.Sequential`` of ``config`` holding the checkpoint's merged shards."""
-    model = build_model(config, device="meta")
-    model.load_state_dict(gp.load_shards(checkpoint), assign=True)
-    return model.to(device).eval()
-
-
-class ClassificationMetrics:
-    """Running top-1 / top-5 counts, summed cross-entropy and the confusion matrix."""
-
-    def __init__(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)  # [true, pred]
-        self.top5_correct = 0
-        self.loss_sum = 0.0
-
-    @torch.no_grad()
-    def update(self, logits: Tensor, labels: Tensor) -> None:
-        logits, labels = logits.detach().float().cpu(), labels.cpu()
-        k = min(5, self.num_classes)
-        top = logits.topk(k, dim=1).indices
-        self.top5_correct += int((top == labels[:, None]).any(dim=1).sum())
-        pairs = labels * self.num_classes + top[:, 0]
-        self.confusion += torch.bincount(pairs, minlength=self.num_classes**2).view(
-            self.num_classes, self.num_classes)
-        self.loss_sum += float(F.cross_entropy(logits.double(), labels, reduction="sum"))
-
-    @property
-    def images(self) -> int:
-        return int(self.confusion.sum())
-
-    def all_reduce(self, device: torch.device, group: Any = None) -> None:
-        """Sum the counts of every rank (ranks that saw nothing contribute zeros)."""
-        flat = torch.cat([self.confusion.flatten().double(),
-                          torch.tensor([self.top5_correct, self.loss_sum], dtype=torch.float64)])
-        flat = flat.to(device)
-        dist.all_reduce(flat, group=group)
-        flat = flat.cpu()
-        cells = self.num_classes**2
-        self.confusion = flat[:cells].round().long().view(self.num_classes, self.num_classes)
-        self.top5_correct = int(round(float(flat[cells])))
-        self.loss_sum = float(flat[cells + 1])
-
-    def report(self, classes: Sequence[str], *, split: str) -> dict[str, Any]:
-        n = max(self.images, 1)
-        per_class = self.confusion.diag().double() / self.confusion.sum(1).clamp(min=1).double()
-        return {
-            "split": split,
-            "images": self.images,
-            "top1": float(self.confusion.diag().sum()) / n,
-            "top5": self.top5_correct / n,
-            "loss": self.loss_sum / n,
-            "classes": list(classes),
-            "per_class_top1": {name: round(float(v), 4)
-                               for name, v in zip(classes, per_class, strict=True)},
-            "confusion": self.confusion.tolist(),  # rows: true class, columns: predicted
-        }
-
-
-def write_report(report: dict[str, Any], path: str | Path) -> tuple[Path, Path]:
-    """Write ``<path>.json`` and a confusion-matrix ``<path>.png``; return both paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = path.with_suffix(".json"), path.with_suffix(".png")
-    gp.write_atomic(json_path, json.dumps(report, indent=1) + "\n")  # whole or not at all
-    confusion = np.array(report["confusion"], dtype=np.int64)
-    rates = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)
-    classes = report["classes"]
-    size = max(5.0, 0.55 * len(classes) + 2.0)
-    fig, ax = plt.subplots(figsize=(size + 1.0, size))
-    image = ax.imshow(rates, cmap="Blues", vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
-    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
-    ax.set_yticks(range(len(classes)), classes)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    if len(classes) <= 20:
-        for i in range(len(classes)):
-            for j in range(len(classes)):
-                if confusion[i, j]:
-                    ax.text(j, i, str(confusion[i, j]), ha="center", va="center", fontsize=7,
-                            color="white" if rates[i, j] > 0.5 else "black")
-    ax.set_title(f"{report['split']}: top-1 {100 * report['top1']:.2f}%, "
-                 f"top-5 {100 * report['top5']:.2f}% ({report['images']} images)")
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=120)
-    plt.close(fig)
-    gp.write_atomic(png_path, png.getvalue())
-    return json_path, png_path
-
-
-def evaluate_pipeline(
-    pipe: gp.DistributedGPipe, config: AmoebaNetConfig, run: Run, split: str,
-) -> ClassificationMetrics:
-    """Top-1 / top-5 on ``split`` through the pipeline (forward only, BatchNorm in eval mode).
-
-    Each replica's first stage reads its share of the split's shards and sends each batch's size
-    and labels to its last stage, which scores the logits; the counts are summed over the world.
-    """
-    pipe.eval()  # running BatchNorm statistics, no drop-path, and nothing committed
-    metrics = ClassificationMetrics(config.num_classes)
-    batches = None
-    if pipe.is_first:
-        batches = iter(build_eval_loader(config, split, dp_rank=run.replica,
-                                         dp_size=run.num_replicas))
-    while True:
-        batch = next(batches, None) if batches is not None else None
-        size = torch.tensor([len(batch[1]) if batch is not None else 0])  # 0: done
-        size = run.broadcast_from_first_stage(size, size)
-        if int(size[0]) == 0:
-            break
-        labels = run.broadcast_from_first_stage(batch[1] if batch is not None else None,
-                                   torch.empty(int(size[0]), dtype=torch.int64))
-        _, logits = pipe.evaluate(batch[0] if batch is not None else None,
-                                  labels if pipe.is_last else None, return_outputs=True)
-        if pipe.is_last:
-            metrics.update(logits, labels)
-    pipe.train()
-    metrics.all_reduce(run.device)
-    return metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# A checkpoint's report: the command
-
-
-def load_checkpoint_config(checkpoint: Path, overrides: Sequence[str] = ()) -> AmoebaNetConfig:
-    """The config saved with ``checkpoint``, with ``--key=value`` overrides on top."""
-    return load_amoebanet_config([f"--config={checkpoint / 'config.yaml'}", *overrides])
-
-
-def find_checkpoint(ckpt: str | Path, split: str,
-                    overrides: Sequence[str]) -> tuple[Path, AmoebaNetConfig]:
-    """The AmoebaNet checkpoint under ``ckpt`` and its config with ``overrides``, whose
-    dataset has ``split``; an error that says the fix if any of them is missing."""
-    checkpoint = resolve_checkpoint(ckpt, train_command=TRAIN_COMMAND.format(out_dir=ckpt))
-    require_app(checkpoint, "amoebanet")
-    config = load_checkpoint_config(checkpoint, overrides)
-    shard_infos(config, split)  # a missing dataset or split fails here, naming the command
-    return checkpoint, config
+__all__ = ["default_out", "evaluate_checkpoint", "evaluate_pipelined", "main",
+           "write_report_files"]
 
 
 def default_out(ckpt: str | Path, checkpoint: Path, split: str) -> Path:
     """``eval_<split>`` beside the run's own files when given its out_dir, else in the step
     folder."""
     return (Path(ckpt) if (Path(ckpt) / "latest").is_file() else checkpoint) / f"eval_{split}"
+
+
+def write_report_files(report: dict[str, Any], out: str | Path) -> None:
+    """``<out>.json`` and ``<out>.png``; a write that fails is a ReportWriteError naming it."""
+    out = Path(out)
+    for path, write in ((out.with_suffix(".json"), write_json),
+                        (out.with_suffix(".png"), plot_report)):
+        with report_write(path):
+            write(report, path)
 
 
 @torch.no_grad()
@@ -248,7 +101,7 @@ def evaluate_checkpoint(
         metrics.update(model(images.to(device)), labels)
     report = metrics.report(class_names(config), split=split)
     report["checkpoint"] = str(checkpoint)
-    write_report(report, default_out(ckpt, checkpoint, split) if out is None else out)
+    write_report_files(report, default_out(ckpt, checkpoint, split) if out is None else out)
     return report
 
 
@@ -269,31 +122,20 @@ def evaluate_pipelined(
     if num_stages < 1 or world_size % num_stages:
         raise ConfigError(f"--stages={num_stages} must divide the world size {world_size} "
                           "(R replicas x K stages)")
-    run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
-    # a run still training may have published another checkpoint while the ranks resolved
-    checkpoint = agree_on_checkpoint(checkpoint)
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels)
-
-    # the checkpoint's recorded stage split (each rank reads only the shards of its layers),
-    # or the layers split by parameters for another number of stages or an older checkpoint
-    pipe = gp.DistributedGPipe.from_checkpoint(
-        checkpoint, build_model(config, device="meta"), num_stages=num_stages,
-        resplit=gp.balance_by_params, chunks=config.chunks, schedule="gpipe",
-        deferred_batch_norm=False, loss_fn=loss_fn, group=run.pipeline_group,
-        data_parallel_group=run.data_group if run.num_replicas > 1 else None,
-        device=run.device, seed=config.seed, precision=config.precision,
-    )
+    pipe, run, checkpoint = load_pipeline(checkpoint, config, num_stages=num_stages,
+                                          device=device)
     unpin(checkpoint)  # every rank's part is in memory
     balance = pipe.balance
     metrics = evaluate_pipeline(pipe, config, run, split)
     report = metrics.report(class_names(config), split=split)
     report.update(checkpoint=str(checkpoint), stages=num_stages, balance=list(balance),
                   replicas=run.num_replicas)
-    if run.master:
-        write_report(report, default_out(ckpt, checkpoint, split) if out is None else out)
-    end_run()  # every rank waits for rank 0's report, then leaves the process groups
+    try:
+        if run.master:
+            write_report_files(report, default_out(ckpt, checkpoint, split) if out is None
+                               else out)
+    finally:
+        end_run()  # every rank waits for rank 0's report (or its failure), then leaves
     return report
 
 
@@ -329,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except ReportWriteError as error:  # rank 0's only: it writes the report
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     print(f"{report['checkpoint']}: {args.split} top-1 {100 * report['top1']:.2f}%  top-5 "

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import gpipe_core as gp
+from apps.amoebanet.commands import TRAIN_COMMAND
 from apps.amoebanet.config import (
     AmoebaNetConfig,
     build_model,
@@ -66,9 +67,9 @@ from apps.amoebanet.data import (
     num_images,
     shard_infos,
 )
-from apps.amoebanet.evaluate import TRAIN_COMMAND, evaluate_pipeline, write_report
 from apps.amoebanet.loss import build_train_loss
 from apps.amoebanet.plan import app_model as amoebanet_app_model
+from apps.amoebanet.scoring import evaluate_pipeline, write_report
 from apps.budget import RunLength
 from apps.config import ConfigError
 from apps.harness.entry import run_main

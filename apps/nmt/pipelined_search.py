@@ -37,7 +37,7 @@ groups=G)`` (the tests check it; ``groups=1`` is ``beam_search`` on the whole ba
 matrix product's last bits can depend on its number of rows (MKL's GEMM does, for fewer than 4
 rows in float32 and for row counts not a multiple of 4 in float64), so a batch decoded in groups
 may differ from the whole batch in the scores' last bits and, on a near tie, in a token.
-``apps.nmt.evaluate.translate`` (translate and evaluate under torchrun) therefore hands every
+``apps.nmt.decoding.translate`` (translate and evaluate under torchrun) therefore hands every
 batch at once to :meth:`PipelineSearch.batches`, each batch its own group: the output is the
 one-process output, and the stages overlap whenever there are several batches. The messages
 are outside ``pipe.step``: call these between steps, on every rank of the pipeline group; they
@@ -46,7 +46,6 @@ run the pipe in eval mode (and restore it).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,12 +61,9 @@ from gpipe_core.channel import Posted
 from gpipe_core.failure import PipelineFailure, report_failure
 
 if TYPE_CHECKING:
-    from apps.harness.run import Run
     from apps.nmt.config import NMTConfig
-    from apps.nmt.evaluate import LoadedCheckpoint
 
-__all__ = ["PipelineSearch", "default_groups", "default_in_flight", "load_pipeline",
-           "pipeline_search",
+__all__ = ["PipelineSearch", "default_groups", "default_in_flight", "pipeline_search",
            "pipelined_beam_search", "pipelined_search_batches", "pipelined_search_hypotheses"]
 
 # Message kinds; a message's tag on the channel is 4 * group + kind, so messages of different
@@ -481,36 +477,11 @@ def pipelined_beam_search(
 
 
 # ---------------------------------------------------------------------------------------------
-# A checkpoint as a pipeline under torchrun
-
-
-def load_pipeline(loaded: LoadedCheckpoint, *, device: str = "cpu",
-                  num_stages: int | None = None) -> tuple[gp.DistributedGPipe, Run]:
-    """Under torchrun: process groups and this rank's stage of the checkpoint's model, one
-    pipeline of ``num_stages`` (default: the world size), one stage per rank, built on the
-    ``meta`` device by ``DistributedGPipe.from_checkpoint``: the stage split the checkpoint
-    records (its stages joined when ``num_stages`` divides their number; each rank then reads
-    only the shards holding its layers), else, for another number of stages or a checkpoint
-    written before the split was recorded, the layers split by parameters.
-    """
-    from apps.harness.checkpoints import agree_on_checkpoint
-    from apps.harness.run import setup_run
-    from apps.nmt.config import build_model
-
-    config = loaded.config
-    num_stages = num_stages or int(os.environ["WORLD_SIZE"])
-    run = setup_run(num_stages=num_stages, device=device, timeout_s=config.timeout_s)
-    # a run still training may have published another checkpoint while the ranks resolved
-    loaded.path = agree_on_checkpoint(loaded.path)
-    pipe = gp.DistributedGPipe.from_checkpoint(
-        loaded.path, build_model(config, device="meta"), num_stages=num_stages,
-        resplit=gp.balance_by_params, schedule="gpipe", chunks=1, device=run.device,
-        group=run.pipeline_group, seed=config.seed)
-    return pipe, run
+# The search of ``apps.nmt.decoding.translate``
 
 
 class PipelineSearch:
-    """The search of ``apps.nmt.evaluate.translate`` through a pipeline (greedy for
+    """The search of ``apps.nmt.decoding.translate`` through a pipeline (greedy for
     ``beam_size=1``); every rank of the pipeline must call it alike.
 
     ``search(src_ids, max_len)`` decodes one batch in ``groups`` groups of sentences
@@ -539,6 +510,6 @@ class PipelineSearch:
 
 def pipeline_search(pipe: gp.DistributedGPipe, config: NMTConfig, *, beam_size: int,
                     alpha: float, groups: int | None = None) -> PipelineSearch:
-    """The search through ``pipe`` for ``apps.nmt.evaluate.translate`` (:class:`PipelineSearch`:
+    """The search through ``pipe`` for ``apps.nmt.decoding.translate`` (:class:`PipelineSearch`:
     ``search(src_ids, max_len)``, and ``search.batches`` for several batches at a time)."""
     return PipelineSearch(pipe, config, beam_size=beam_size, alpha=alpha, groups=groups)

@@ -47,6 +47,7 @@ from apps.harness.pipeline import choose_balance
 from apps.harness.rank0 import on_rank0
 from apps.harness.run import Run
 from apps.harness.writes import guarded_write
+from apps.nmt.commands import TRAIN_COMMAND
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import (
     Batch,
@@ -56,17 +57,12 @@ from apps.nmt.data import (
     load_manifest,
     load_tokenizer,
 )
-from apps.nmt.evaluate import (
-    TRAIN_COMMAND,
-    evaluate,
-    format_report,
-    mean_token_loss,
-    write_report,
-)
+from apps.nmt.decoding import mean_token_loss
 from apps.nmt.model import activation_stats, token_cross_entropy_sum
 from apps.nmt.monitor import gather_stability
 from apps.nmt.pipelined_search import pipeline_search
 from apps.nmt.plan import app_model as nmt_app_model
+from apps.nmt.scoring import evaluate, format_report, write_report
 from apps.planning import describe_budget_plan, plan_for_budget
 
 # Config keys a resumed run may change (apps.harness.checkpoints.check_resumable): budgets,

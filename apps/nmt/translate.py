@@ -5,7 +5,7 @@
         [--length-penalty 0.6] [--max-len 64] [--data-dir DIR] [--device cpu|cuda]
 
 Runs in one process on the plain model merged from the checkpoint's shards (as
-``apps.nmt.evaluate`` does), with the corpus's SentencePiece tokenizer, which must be the
+``apps.nmt.evaluate`` does: ``apps.nmt.checkpoint_loading``), with the corpus's SentencePiece tokenizer, which must be the
 one the checkpoint was trained with (its fingerprint is in the checkpoint's tokenizer.json).
 Sources are raw text in ``--lang``, one of the languages of that tokenizer (the model is
 many-to-English: the language tag leads every source). Beam size and length penalty default to
@@ -39,6 +39,8 @@ Lines are read and translated in groups of ``--batch-lines`` (each group's trans
 printed before the next group is read), so the command also works as a filter on a stream.
 Errors (no or damaged checkpoint, another app's checkpoint, a corpus or tokenizer that does not
 match, an unknown language, an unreadable input file) print one line and exit with status 2.
+Under torchrun, a rank whose pipeline peer fails or stops answering prints one line naming
+itself and that peer (rank and stage) and exits with status 1.
 """
 
 from __future__ import annotations
@@ -54,22 +56,18 @@ import torch
 from torch import Tensor, nn
 
 import gpipe_core as gp
-from apps.config import ConfigError
-from apps.nmt.data import CorpusError, Tokenizer
-from apps.nmt.evaluate import (
-    CheckpointError,
+from apps.nmt.checkpoint_loading import (
+    LOAD_ERRORS,
     LoadedCheckpoint,
-    Sentence,
-    TokenizerMismatch,
     load_checkpoint,
-    translate,
+    load_pipeline,
 )
+from apps.nmt.data import Tokenizer
+from apps.nmt.decoding import Sentence, translate
+from apps.nmt.pipelined_search import pipeline_search
 from apps.validation import CommandParser, device_name, threads
 
 __all__ = ["encode_lines", "main", "translate_lines"]
-
-CLEAR_ERRORS = (CheckpointError, gp.CheckpointCorruptError, CorpusError, ConfigError,
-                TokenizerMismatch)
 
 
 def encode_lines(lines: Sequence[str], tokenizer: Tokenizer, lang: str, *, max_positions: int,
@@ -183,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         loaded = load_checkpoint(args.ckpt, data_dir=args.data_dir, device=device,
                                  model=not pipelined)
-    except CLEAR_ERRORS as error:
+    except LOAD_ERRORS as error:
         return fail(str(error))
     config, tokenizer, model = loaded.config, loaded.tokenizer, loaded.model
     if args.lang not in tokenizer.languages:
@@ -230,6 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.write("".join(line + "\n" for line in english))
                 sys.stdout.flush()
             first_line += len(group)
+    except gp.PipelineFailure as error:  # under torchrun: each survivor says where it stopped
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if source is not sys.stdin:
             source.close()
@@ -254,8 +255,6 @@ def _pipeline(loaded: LoadedCheckpoint, groups: Iterator[list[str]], *, beam_siz
               alpha: float, device: str) -> tuple[Any, Any, torch.device]:
     """Under torchrun: the search through this rank's stage (``load_pipeline``), and the input's
     groups of lines, read on rank 0 and shared with every rank."""
-    from apps.nmt.pipelined_search import load_pipeline, pipeline_search
-
     pipe, run = load_pipeline(loaded, device=device)
     search = pipeline_search(pipe, loaded.config, beam_size=beam_size, alpha=alpha)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-import apps.nmt.evaluate as nmt_evaluate
+import apps.nmt.scoring as nmt_scoring
 from apps.config import parse_overrides
 from apps.nmt import train
 
@@ -39,7 +39,7 @@ def main() -> None:
     argv = sys.argv[1:]
     out_dir = Path(parse_overrides(argv)[1]["out_dir"])
     rank = int(os.environ["RANK"])
-    translate = nmt_evaluate.translate
+    translate = nmt_scoring.translate
 
     def translate_and_count(*args: Any, **kwargs: Any) -> list[str]:
         hypotheses = translate(*args, **kwargs)
@@ -48,7 +48,7 @@ def main() -> None:
             file.write(json.dumps({"parameters": materialized_parameters()}) + "\n")
         return hypotheses
 
-    nmt_evaluate.translate = translate_and_count  # evaluate() calls the module's translate
+    nmt_scoring.translate = translate_and_count  # scoring.evaluate() calls the module's translate
     train.main(argv)
 
 

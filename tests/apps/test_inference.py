@@ -15,9 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from apps.amoebanet.evaluate import load_model as load_amoebanet
+from apps.amoebanet.checkpoint_loading import load_model as load_amoebanet
 from apps.harness.checkpoints import resolve_checkpoint
-from apps.nmt.evaluate import load_checkpoint, load_eval_sentences, translate
+from apps.nmt.checkpoint_loading import load_checkpoint
+from apps.nmt.decoding import load_eval_sentences, translate
 from data.gettext_m2en.prepare import prepare
 from tests.apps import test_amoebanet_train as amoebanet_tests
 from tests.apps import test_nmt_train as nmt_tests
@@ -158,8 +159,8 @@ def test_classify_prints_the_top_classes_as_the_model_scores_them(amoebanet_run:
     lines = result.stdout.splitlines()
     assert len(lines) == 4 * (1 + len(CLASSES))  # 3 classes: top-5 shows all 3
     checkpoint = resolve_checkpoint(amoebanet_run, train_command="")
+    from apps.amoebanet.checkpoint_loading import load_checkpoint_config
     from apps.amoebanet.classify import load_images
-    from apps.amoebanet.evaluate import load_checkpoint_config
 
     config = load_checkpoint_config(checkpoint)
     model = load_amoebanet(config, checkpoint, torch.device("cpu"))
@@ -263,7 +264,7 @@ def pipelined_hypotheses(rank: int, world_size: int, checkpoint: str, src_ids: t
 def test_pipelined_decoding_gives_the_single_process_hypotheses(
     nmt_run: Path, corpus: Path, tmp_path: Path
 ) -> None:
-    from apps.nmt.evaluate import _pad
+    from apps.nmt.decoding import pad_batch
     from apps.nmt.search import beam_search
 
     loaded = load_checkpoint(nmt_run)
@@ -271,7 +272,7 @@ def test_pipelined_decoding_gives_the_single_process_hypotheses(
     config = loaded.config
     sentences, _ = load_eval_sentences(corpus, "test", ["de", "ru"], max_per_lang=3,
                                        pad_id=config.pad_id)
-    src_ids = _pad([s.src_ids for s in sentences], config.pad_id, torch.device("cpu"))
+    src_ids = pad_batch([s.src_ids for s in sentences], config.pad_id, torch.device("cpu"))
     # groups=1: the whole batch at once; None: 2 groups (one per stage), as one process
     # decodes them with groups=2 (tests/apps/test_pipelined_search.py has the rest)
     expected = {(beam, groups): beam_search(loaded.model, src_ids, bos_id=config.bos_id,

@@ -12,16 +12,13 @@ from torch import Tensor
 
 import gpipe_core as gp
 from apps.config import ConfigError, save_config
+from apps.harness.checkpoints import CheckpointError
 from apps.nmt import train
+from apps.nmt.checkpoint_loading import TokenizerMismatch, load_checkpoint
 from apps.nmt.config import NMTConfig, build_model, load_nmt_config, replace
 from apps.nmt.data import CorpusError, load_tokenizer
-from apps.nmt.evaluate import (
-    CheckpointError,
-    TokenizerMismatch,
-    evaluate_checkpoint,
-    load_checkpoint,
-    mean_token_loss,
-)
+from apps.nmt.decoding import mean_token_loss
+from apps.nmt.evaluate import evaluate_checkpoint
 from apps.nmt.model import token_cross_entropy_sum
 from tests.conftest import FLOAT32_REORDERED_REL
 from tests.distributed import launch

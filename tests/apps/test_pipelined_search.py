@@ -163,4 +163,7 @@ def test_a_silent_stage_times_out_instead_of_hanging(tmp_path: Path) -> None:
     assert results[1] == "silent"
     seconds, message = results[0].split(" s: ", 1)
     assert int(seconds) < 10, results[0]
-    assert "rank 0 (stage 0) in pipelined decoding" in message and "stage 1" in message
+    # this rank and stage, and the peer's rank and stage (stage 1 alone would be ambiguous
+    # with data-parallel replicas)
+    assert "rank 0 (stage 0) in pipelined decoding, waiting for" in message
+    assert "rank 1 (stage 1)" in message
