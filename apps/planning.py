@@ -41,6 +41,11 @@ class AppModel:
     tokens_per_sample: int  # for tokens per second (1 for images)
     optimizer: str  # a name of gp.OPTIMIZER_BYTES
     describe: str
+    # the training loss on the last layer's output (targets made inside, on the output's
+    # device): counted with the last layer, whose stage holds what the loss saves for backward
+    # for every micro-batch in flight (the NMT's log-probabilities over the vocabulary); None:
+    # the layers alone
+    loss: Callable[[Any], torch.Tensor] | None = None
 
 
 def parser(app: str) -> argparse.ArgumentParser:
@@ -81,12 +86,42 @@ def device_from(args: argparse.Namespace) -> gp.Device:
     return gp.Device(**{**vars(device), **changes})
 
 
+class _Loss(nn.Module):
+    def __init__(self, loss: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, output: Any) -> torch.Tensor:
+        return self.loss(output)
+
+
 def _counted(model: AppModel, depth: int, dtype: torch.dtype) -> gp.LayerCosts:
     module = model.build(depth).to(dtype)
     sample = model.sample if dtype == torch.float32 else tuple(
         t.to(dtype) if t.is_floating_point() else t for t in model.sample) \
         if isinstance(model.sample, tuple) else model.sample.to(dtype)
-    return gp.layer_costs(module, sample, same_layer=structural_key)
+    if model.loss is None:
+        return gp.layer_costs(module, sample, same_layer=structural_key)
+    layers = list(module._modules.values())
+    costs = gp.layer_costs(nn.Sequential(*layers, _Loss(model.loss)), sample,
+                           same_layer=structural_key)
+    return with_loss(costs)
+
+
+def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
+    """The costs of a model counted with its loss as one more layer, the loss folded into the
+    last layer: its compute added, what it saves (its input included) added to what that layer
+    keeps, so a stage ending there holds it per micro-batch in flight (and recomputes it with
+    that layer)."""
+    merged = {name: list(getattr(costs, name)[:-1]) for name in (
+        "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
+        "input_bytes", "output_bytes", "forward_flops", "backward_flops", "forward_ops",
+        "backward_ops")}
+    for name in ("param_count", "param_bytes", "forward_flops", "backward_flops", "forward_ops",
+                 "backward_ops"):
+        merged[name][-1] += getattr(costs, name)[-1]
+    merged["saved_bytes"][-1] += costs.saved_bytes[-1] + costs.saved_input_bytes[-1]
+    return gp.LayerCosts(batch_size=costs.batch_size, **merged)
 
 
 def run(model: AppModel, args: argparse.Namespace) -> int:

@@ -112,7 +112,8 @@ def _batch(app: App, chunks: int) -> tuple[Any, Any, float | None]:
     return images, torch.randint(0, config.num_classes, (rows,), generator=generator), None
 
 
-def _pipe(app: App, balance: list[int], chunks: int, checkpoint: str) -> gp.DistributedGPipe:
+def _pipe(app: App, balance: list[int], chunks: int, checkpoint: str,
+          record: bool = False) -> gp.DistributedGPipe:
     if app.name == "nmt":
         from apps.nmt.config import build_model as build_nmt
         from apps.nmt.model import token_cross_entropy_sum
@@ -121,11 +122,12 @@ def _pipe(app: App, balance: list[int], chunks: int, checkpoint: str) -> gp.Dist
 
         def nmt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return token_cross_entropy_sum(logits, target, pad_id=config.pad_id,
-                                           label_smoothing=config.label_smoothing)
+                                           label_smoothing=config.label_smoothing,
+                                           z_loss=config.z_loss)
 
         return gp.DistributedGPipe(build_nmt(config, device="meta"), balance, chunks=chunks,
                                    checkpoint=checkpoint, loss_fn=nmt_loss,
-                                   loss_reduction="sum", seed=0)
+                                   loss_reduction="sum", seed=0, record=record)
     from apps.amoebanet.config import build_model as build_amoebanet
 
     def amoebanet_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -133,7 +135,7 @@ def _pipe(app: App, balance: list[int], chunks: int, checkpoint: str) -> gp.Dist
 
     return gp.DistributedGPipe(build_amoebanet(app.config, device="meta"), balance,
                                chunks=chunks, checkpoint=checkpoint, loss_fn=amoebanet_loss,
-                               seed=0, deferred_batch_norm=True)
+                               seed=0, deferred_batch_norm=True, record=record)
 
 
 def _step(pipe: gp.DistributedGPipe, batch: tuple[Any, Any, float | None]) -> None:
@@ -184,7 +186,7 @@ def time_pairs(app: App, balance: list[int], chunks: int, checkpoints: dict[str,
                pairs: int, steps: int) -> dict[str, Any]:
     """Alternating rounds of ``steps`` steps of each checkpoint; per round: the slowest rank's
     seconds per step and this rank's busy time by action kind."""
-    pipes = {label: _pipe(app, balance, chunks, checkpoint)
+    pipes = {label: _pipe(app, balance, chunks, checkpoint, record=True)
              for label, checkpoint in checkpoints.items()}
     batch = _batch(app, chunks)
     for pipe in pipes.values():  # warm-up

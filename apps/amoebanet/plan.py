@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from apps.amoebanet.config import AmoebaNetConfig, build_model, load_amoebanet_config
 from apps.config import ConfigError
@@ -36,6 +37,11 @@ def app_model(config: AmoebaNetConfig) -> AppModel:
         return build_model(dataclasses.replace(config, num_normal_cells=depth), device="meta")
 
     side = config.image_size
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:  # the train script's, on hard labels
+        target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        return F.cross_entropy(logits.float(), target, label_smoothing=config.label_smoothing)
+
     return AppModel(
         build=build, depth=config.num_normal_cells, depth_name="L",
         # two images: training BatchNorm needs more than one value per channel (1x1 maps)
@@ -43,7 +49,7 @@ def app_model(config: AmoebaNetConfig) -> AppModel:
         batch_size=config.batch_size, unit="images", tokens_per_sample=1,
         optimizer=optimizer_name(config.optimizer, config.momentum),
         describe=f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}) at "
-                 f"{side}x{side}")
+                 f"{side}x{side}", loss=loss)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from apps.config import ConfigError
 from apps.nmt.config import CONFIG_DIR, NMTConfig, build_model, load_nmt_config
+from apps.nmt.model import token_cross_entropy_sum
 from apps.planning import (
     AppModel,
     config_error,
@@ -35,12 +36,21 @@ def app_model(config: NMTConfig) -> AppModel:
         return build_model(dataclasses.replace(config, num_layers=depth), device="meta")
 
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        target = torch.full(logits.shape[:-1], config.eos_id, dtype=torch.long,
+                            device=logits.device)
+        return token_cross_entropy_sum(logits, target, pad_id=config.pad_id,
+                                       label_smoothing=config.label_smoothing,
+                                       z_loss=config.z_loss)
+
     return AppModel(
         build=build, depth=config.num_layers, depth_name="L", sample=(ids, ids),
         batch_size=max(1, config.max_tokens // (2 * seq)), unit="sentence pairs",
         tokens_per_sample=2 * seq, optimizer=optimizer_name(config.optimizer),
         describe=f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d_model "
-                 f"{config.d_model}, vocabulary {config.vocab_size}, {seq} tokens a side")
+                 f"{config.d_model}, vocabulary {config.vocab_size}, {seq} tokens a side",
+        loss=loss)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
