@@ -1,0 +1,83 @@
+"""``memory_budget_mb``: the apps plan their re-materialization with gp.plan (per-stage kept
+layers included) to fit a per-rank budget, refuse one nothing fits, and run the choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from apps.config import ConfigError
+from apps.planning import MiB, _counted, budget_plan
+
+
+def nmt_tiny():  # type: ignore[no-untyped-def]
+    from apps.nmt.config import load_nmt_config
+    from apps.nmt.plan import app_model
+
+    return app_model(load_nmt_config(["--config=tiny"]))
+
+
+def peaks(model, chunks: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    return {mode: budget_plan(model, budget_mb=1e12, num_stages=2, chunks=chunks,
+                              schedule="gpipe", checkpoints=[mode]).peak_bytes / MiB
+            for mode in ("never", "always")}
+
+
+def test_a_budget_between_always_and_never_gets_kept_layers_that_fit() -> None:
+    model = nmt_tiny()
+    peak = peaks(model, 4)
+    assert peak["always"] < peak["never"]
+    budget = (peak["always"] + peak["never"]) / 2
+    best = budget_plan(model, budget_mb=budget, num_stages=2, chunks=4, schedule="gpipe")
+    assert best.checkpoint.startswith("keep:") and best.peak_bytes / MiB <= budget
+    always = budget_plan(model, budget_mb=budget, num_stages=2, chunks=4, schedule="gpipe",
+                         checkpoints=["always"])
+    assert best.step_time < always.step_time
+    # a budget everything fits: nothing is recomputed
+    assert budget_plan(model, budget_mb=2 * peak["never"], num_stages=2, chunks=4,
+                       schedule="gpipe").checkpoint == "never"
+
+
+def test_a_budget_nothing_fits_names_the_smallest_peak_and_the_fix() -> None:
+    model = nmt_tiny()
+    smallest = peaks(model, 4)["always"]
+    with pytest.raises(ConfigError) as error:
+        budget_plan(model, budget_mb=smallest / 2, num_stages=2, chunks=4, schedule="gpipe")
+    text = str(error.value)
+    assert text.startswith(f"memory_budget_mb={smallest / 2:g} fits no plan")
+    assert f"smallest feasible per-rank peak is {smallest:.1f} MiB" in text
+    assert "give memory_budget_mb >=" in text
+
+
+def test_the_loss_is_counted_with_the_last_layer() -> None:
+    """The NMT's loss saves log-probabilities over the vocabulary per micro-batch in flight:
+    its stage holds them, so the plan counts them with the last layer."""
+    model = nmt_tiny()
+    with_loss = _counted(model, model.depth, torch.float32)
+    model.loss = None
+    alone = _counted(model, model.depth, torch.float32)
+    assert len(with_loss) == len(alone)
+    assert with_loss.saved_bytes[:-1] == alone.saved_bytes[:-1]
+    assert with_loss.saved_bytes[-1] > alone.saved_bytes[-1]
+    assert with_loss.forward_flops[-1] > alone.forward_flops[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_amoebanet_trains_with_the_planned_choice(shards: Path, tmp_path: Path) -> None:
+    from apps.amoebanet.config import load_train_config
+    from apps.amoebanet.plan import app_model
+    from tests.apps.test_amoebanet_train import tiny_args, torchrun
+
+    args = tiny_args(shards, tmp_path / "run", max_steps=2)
+    config = load_train_config(args)
+    peak = peaks(app_model(config), config.chunks)
+    budget = round((peak["always"] + peak["never"]) / 2, 3)
+    chosen = budget_plan(app_model(config), budget_mb=budget, num_stages=2,
+                         chunks=config.chunks, schedule=config.schedule)
+    output = torchrun([*args, f"--memory_budget_mb={budget}"])
+    assert f"gp.plan chose checkpoint={chosen.checkpoint} balance={chosen.balance}" in output
+    assert "predicted per-rank peak" in output
+    assert "test top-1" in output or "stopped" in output or "max_steps" in output, output[-2000:]
