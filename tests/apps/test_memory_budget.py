@@ -35,9 +35,13 @@ def test_a_budget_between_always_and_never_gets_kept_layers_that_fit() -> None:
     always = budget_plan(model, budget_mb=budget, num_stages=2, chunks=4, schedule="gpipe",
                          checkpoints=["always"])
     assert best.step_time < always.step_time
-    # a budget everything fits: nothing is recomputed
-    assert budget_plan(model, budget_mb=2 * peak["never"], num_stages=2, chunks=4,
-                       schedule="gpipe").checkpoint == "never"
+    # a budget everything fits: nothing is recomputed ("never", or every layer kept: a tie)
+    roomy = budget_plan(model, budget_mb=2 * peak["never"], num_stages=2, chunks=4,
+                        schedule="gpipe")
+    never = budget_plan(model, budget_mb=2 * peak["never"], num_stages=2, chunks=4,
+                        schedule="gpipe", checkpoints=["never"])
+    assert roomy.step_time == pytest.approx(never.step_time)
+    assert roomy.peak_bytes <= never.peak_bytes  # (keeping every layer: without the output)
 
 
 def test_a_budget_nothing_fits_names_the_smallest_peak_and_the_fix() -> None:
@@ -61,7 +65,7 @@ def test_the_loss_is_counted_with_the_last_layer() -> None:
     assert len(with_loss) == len(alone)
     assert with_loss.saved_bytes[:-1] == alone.saved_bytes[:-1]
     assert with_loss.saved_bytes[-1] > alone.saved_bytes[-1]
-    assert with_loss.forward_flops[-1] > alone.forward_flops[-1]
+    assert with_loss.forward_ops[-1] > alone.forward_ops[-1]  # its operators (no matmul)
 
 
 @pytest.mark.slow
