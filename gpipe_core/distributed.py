@@ -59,7 +59,7 @@ from .stage import LossFn, Stage
 from .stage_profile import StageProfile
 from .storage import read_index, torch_load, verify_checkpoint
 from .tied import TiedWeight
-from .transport import DistributedTransport, PeerError, policy_for
+from .transport import DistributedTransport, policy_for
 
 __all__ = ["DistributedGPipe"]
 
@@ -233,8 +233,8 @@ class DistributedGPipe(StepCounter, nn.Module):
         self._step = 0
         self._evaluations = 0
         self._tied = TiedWeight.resolve(dict(self.named_parameters(remove_duplicate=False)), tied,
-                                        self.transport, stages=self.stage_indices,
-                                        num_stages=self.num_stages)
+                                        stages=self.stage_indices, stage_ranks=self.stage_ranks,
+                                        policy=self._policy, timeout_s=timeout_s)
         if self._tied is not None:
             self._tied.sync()
 
@@ -329,8 +329,8 @@ class DistributedGPipe(StepCounter, nn.Module):
                  keep_outputs: bool) -> tuple[Tensor, Any]:
         try:
             return self._run_step(inputs, targets, normalizer, train, keep_outputs)
-        except PeerError as exc:
-            raise peer_failure(self._where(), exc, self.timeout_s) from exc
+        except PipelineFailure:  # a peer failed: its message names this rank, the peer, the bound
+            raise
         except BaseException as exc:
             report_failure(exc, where=self._where())
             raise
@@ -418,7 +418,8 @@ class DistributedGPipe(StepCounter, nn.Module):
         except PipelineFailure:
             raise
         except RuntimeError as exc:  # a peer died between our last message and the collective
-            raise PeerError(-1, -1, f"collective after the step failed ({exc})") from exc
+            raise peer_failure(f"{self._where()}, in a collective after the step,", exc,
+                               self.timeout_s) from exc
         return loss, outputs
 
     def _set_aside_gradients(self) -> dict[Tensor, Tensor]:

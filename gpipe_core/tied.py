@@ -2,38 +2,46 @@
 
 The first and the last stage each hold a copy of the weight. The copies start equal (the first
 stage's is sent to the last) and stay equal: after each step both get the sum of the two
-gradients, so an optimizer step moves them alike. The exchange uses the transport's control
-messages between the two end stages' ranks; when one rank runs both ends (a V-shaped placement
-of virtual stages) the two copies are kept equal in place.
+gradients, so an optimizer step moves them alike. The exchange goes over a
+:class:`~gpipe_core.channel.Channel` between the two end stages' ranks, on the pipeline's
+control tag (``TAG_CONTROL``), so a failed peer is a
+:class:`~gpipe_core.failure.PipelineFailure` naming both ends and the timeout; when one rank
+runs both ends (a V-shaped placement of virtual stages) the two copies are kept equal in place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from .transport import DistributedTransport
+from .channel import TAG_CONTROL, Channel, P2PPolicy
 
 __all__ = ["TiedWeight"]
 
 
 class TiedWeight:
     """This rank's copies of a tied weight (``first`` on the first stage, ``last`` on the last;
-    None where the rank does not run that stage) and their exchange with the other end."""
+    None where the rank does not run that stage) and their exchange with the other end over
+    ``channel`` (one whose ``stage`` is this rank's end; unused when the rank holds both)."""
 
     def __init__(self, first: nn.Parameter | None, last: nn.Parameter | None,
-                 transport: DistributedTransport, *, num_stages: int) -> None:
+                 channel: Channel, *, num_stages: int) -> None:
         self.first = first
         self.last = last
-        self.transport = transport
+        self.channel = channel
         self.last_stage = num_stages - 1
 
     @classmethod
-    def resolve(cls, named: dict[str, nn.Parameter], tied: tuple[str, str] | None,
-                transport: DistributedTransport, *, stages: tuple[int, ...],
-                num_stages: int) -> TiedWeight | None:
+    def resolve(cls, named: dict[str, nn.Parameter], tied: tuple[str, str] | None, *,
+                stages: tuple[int, ...], stage_ranks: Sequence[int], policy: P2PPolicy,
+                timeout_s: float) -> TiedWeight | None:
         """The tie of ``tied = (first_stage_name, last_stage_name)`` on a rank running
-        ``stages``; None when the rank holds no copy, or one parameter serves both ends."""
+        ``stages`` of a pipeline whose stage s runs on rank ``stage_ranks[s]``; None when the
+        rank holds no copy, or one parameter serves both ends. Its messages take the
+        pipeline's ``policy`` and ``timeout_s``."""
+        num_stages = len(stage_ranks)
         if tied is None or num_stages == 1:
             return None
         copies: list[nn.Parameter | None] = []
@@ -47,7 +55,10 @@ class TiedWeight:
         first, last = copies
         if (first is None and last is None) or first is last:
             return None
-        return cls(first, last, transport, num_stages=num_stages)
+        end = 0 if first is not None else num_stages - 1
+        channel = Channel(end, stage_ranks, policy=policy, timeout_s=timeout_s,
+                          what="the tied weight's first copy", tag_base=0)
+        return cls(first, last, channel, num_stages=num_stages)
 
     @property
     def second_copy(self) -> nn.Parameter | None:
@@ -57,15 +68,16 @@ class TiedWeight:
 
     def sync(self) -> None:
         """Start from the first stage's copy."""
+        self.channel.what = "the tied weight's first copy"
         with torch.no_grad():
             if self.first is not None and self.last is not None:
                 self.last.data.copy_(self.first.data)
             elif self.first is not None:
-                self.transport.send_tensor(self.first.data, self.last_stage)
-                self.transport.finish()
+                self.channel.send(self.first.data.contiguous(), self.last_stage, TAG_CONTROL)
+                self.channel.finish()
             else:
                 assert self.last is not None
-                self.transport.recv_tensor(self.last.data, 0)
+                self.channel.recv(self.last.data, 0, TAG_CONTROL)
 
     def reduce_gradient(self) -> None:
         """Sum the gradients of the two copies; both copies get the sum."""
@@ -77,13 +89,15 @@ class TiedWeight:
         assert param is not None
         grad = _grad(param)
         other = torch.empty_like(grad)
+        channel = self.channel
+        channel.what = "the tied weight's gradient exchange"
         if self.first is not None:
-            self.transport.send_tensor(grad, self.last_stage)
-            self.transport.recv_tensor(other, self.last_stage)
+            channel.send(grad.contiguous(), self.last_stage, TAG_CONTROL)
+            channel.recv(other, self.last_stage, TAG_CONTROL)
         else:
-            self.transport.recv_tensor(other, 0)
-            self.transport.send_tensor(grad, 0)
-        self.transport.finish()
+            channel.recv(other, 0, TAG_CONTROL)
+            channel.send(grad.contiguous(), 0, TAG_CONTROL)
+        channel.finish()
         param.grad = grad + other
 
 

@@ -8,28 +8,30 @@ tensor or None per tensor leaf. Shapes and dtypes may change from one micro-batc
 - :class:`LocalTransport`: stages in one process; a message is a dictionary entry, moved to the
   receiving stage's device.
 - :class:`DistributedTransport`: one stage per process, point-to-point ``torch.distributed``
-  messages (gloo on CPU, NCCL on GPU).
+  messages (gloo on CPU, NCCL on GPU) over one :class:`~gpipe_core.channel.Channel` per
+  neighbour: this module frames the messages, the channel moves them.
 
 Wire format (:mod:`gpipe_core.wire`): one distributed message per transfer, a byte buffer on
 the stage's device holding a prefix (size, step, micro-batches in the step, a carried value),
 the tensors' dtypes and shapes, the payload's nesting when it changed, and the tensors' bytes.
 
 A receive must be posted with the message's exact size, which both sides predict the same way:
-the size of the previous message on the same channel. When a message's size differs from that
+the size of the previous message on the same link (one neighbour, one direction). When a message's size differs from that
 prediction (the first message, a new sequence length, an uneven last micro-batch), the sender
 first sends a RESIZE message of the predicted size that announces the new one. With gloo
-(:class:`GlooPolicy`) the receiver posts the next receive as soon as the current one arrives,
-so a message lands in a
-waiting buffer and every transfer is a single message: no header round trip per micro-batch.
+(:class:`~gpipe_core.channel.GlooPolicy`) the receiver posts the next receive as soon as the
+current one arrives, so a message lands in a waiting buffer and every transfer is a single
+message: no header round trip per micro-batch.
 Posting early matters: gloo writes a message's data only once the receiver's receive is
 posted; a send that comes first is parked, and the sender's I/O thread must wake again (on a
 core busy with the sender's compute) to write it when the receive is announced.
 NCCL ignores tags and matches messages in order, so there receives are posted when needed.
 
 Virtual stages: a rank may run several stages, each with its own transport. Each boundary
-between stage s and s+1 has its own tag (gloo), so messages of two boundaries between the same
-two ranks cannot be confused; a boundary inside one rank (the turn of a V-shaped placement)
-passes messages through an in-process mailbox (``local``) instead.
+between stage s and s+1 has its own tag (gloo: ``TAG_BOUNDARY + s``, see
+:mod:`gpipe_core.channel`), so messages of two boundaries between the same two ranks cannot be
+confused; a boundary inside one rank (the turn of a V-shaped placement) passes messages
+through an in-process mailbox (``local``) instead.
 
 The per-step protocol is part of the interface and driven by the runtime
 (:class:`~gpipe_core.runtime.StageRuntime`): :meth:`Transport.recv_step` (a stage after the
@@ -39,16 +41,18 @@ the messages, then :meth:`Transport.finish`. The step's last gradient message ca
 back (``carry``; the step's loss), which thus reaches every stage without a collective.
 
 Sends are asynchronous (``isend``) and complete by :meth:`Transport.finish`; receives wait at
-most ``timeout_s`` seconds, so a dead or stuck neighbour turns into an error, never a hang.
+most ``timeout_s`` seconds, so a dead or stuck neighbour turns into a
+:class:`~gpipe_core.failure.PipelineFailure` naming this rank and stage, the step, the peer's rank
+and stage and the timeout (the channel's), never a hang.
 """
 
 
 from __future__ import annotations
 
-import datetime
 import math
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,12 +60,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import wire
-from .cpu import QuietIOThreads
+from .channel import TAG_BOUNDARY, Channel, GlooPolicy, P2PPolicy, Posted, policy_for
+from .failure import PipelineFailure
 from .microbatch import map_tensors
 
 __all__ = [
-    "Transport", "LocalTransport", "Mailbox", "DistributedTransport", "P2PPolicy", "GlooPolicy",
-    "policy_for", "PeerError", "StepMismatch",
+    "Transport", "LocalTransport", "Mailbox", "DistributedTransport", "StepMismatch",
+    # the backend policies live with the Channel; named here too, where they were before
+    "P2PPolicy", "GlooPolicy", "policy_for",
 ]
 
 Grads = list[Tensor | None]
@@ -165,86 +171,33 @@ class LocalTransport(Transport):
         return self._carried
 
 
-class PeerError(RuntimeError):
-    """A neighbouring stage stopped answering or closed its connection."""
-
-    def __init__(self, peer_rank: int, peer_stage: int, detail: str) -> None:
-        who = f"peer rank {peer_rank} (stage {peer_stage})" if peer_rank >= 0 else "a peer rank"
-        super().__init__(f"{who}: {detail}")
-        self.peer_rank = peer_rank
-        self.peer_stage = peer_stage
-
-
 class StepMismatch(RuntimeError):
     """A neighbour sent a message of another step: the ranks' calls went out of step."""
 
 
-class P2PPolicy:
-    """How point-to-point messages behave on a backend; this base is NCCL's.
-
-    NCCL ignores tags and matches messages in order, so a receive is posted when it is needed.
-    """
-
-    tags = False  # whether messages are matched by tag
-    post_early = False  # post a channel's next receive as soon as the current one arrives
-
-    def refresh(self) -> None:
-        """Called at the start of every step (the process's threads may have changed)."""
-
-    def call(self, op: Callable[..., Any], tensor: Tensor, rank: int, tag: int) -> Any:
-        """Run ``dist.isend`` or ``dist.irecv``."""
-        return op(tensor, rank, tag=0)
+def __getattr__(name: str) -> Any:
+    if name == "PeerError":  # before issue 41 a failed message raised it; now every one raises
+        warnings.warn("gpipe_core.transport.PeerError is deprecated: a neighbour that fails "
+                      "raises gpipe_core.PipelineFailure (naming rank, stage, peer and "
+                      "timeout); catch that", DeprecationWarning, stacklevel=2)
+        return PipelineFailure
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class GlooPolicy(P2PPolicy):
-    """gloo: tagged messages, receives posted early, and an I/O thread kept quiet in our calls.
-
-    gloo's I/O thread must not preempt our sends and posts (see
-    :class:`~gpipe_core.cpu.QuietIOThreads`); ``quiet_io = None`` lets it.
-    """
-
-    tags = True
-    post_early = True
-
-    def __init__(self, quiet_io: bool = True) -> None:
-        self.quiet_io: QuietIOThreads | None = QuietIOThreads() if quiet_io else None
-        if self.quiet_io is not None:
-            self.quiet_io.refresh()
-
-    def refresh(self) -> None:
-        if self.quiet_io is not None:
-            self.quiet_io.refresh()
-
-    def call(self, op: Callable[..., Any], tensor: Tensor, rank: int, tag: int) -> Any:
-        quiet = self.quiet_io
-        if quiet is None:
-            return op(tensor, rank, tag=tag)
-        quiet.enter()
-        try:
-            return op(tensor, rank, tag=tag)
-        finally:
-            quiet.leave()
-
-
-def policy_for(backend: str, *, quiet_io: bool = True) -> P2PPolicy:
-    """The policy of a ``torch.distributed`` backend: gloo's (``quiet_io``: keep its I/O thread
-    from preempting our calls), or in-order matching (NCCL)."""
-    return GlooPolicy(quiet_io) if backend == "gloo" else P2PPolicy()
-
-
-# Tags (gloo): control messages (tied weights); activations and gradients across the boundary
-# between stage s and s+1 use _TAG_DATA + s.
-_TAG_CONTROL, _TAG_DATA = 0, 1
-
-
-class _Channel:
+class _Link:
     """Messages with one neighbour in one direction: the size both sides expect next."""
 
     def __init__(self) -> None:
         self.predicted = wire.PREFIX_BYTES
         self.skeleton: Any = None  # last skeleton sent (bytes) or received (parsed)
-        self.posted: tuple[Any, Tensor] | None = None  # a receive already waiting (post_early)
+        self.posted: Posted | None = None  # a receive already waiting (post_early)
         self.remaining = 0  # messages still to receive this step
+
+
+def _step_name(step: int) -> str:
+    """A step as errors name it: training steps count 0, 1, ... and evaluations -1, -2, ...
+    (:class:`~gpipe_core.DistributedGPipe`'s numbering)."""
+    return f"step {step + 1}" if step >= 0 else f"evaluation {-step}"
 
 
 class DistributedTransport(Transport):
@@ -252,9 +205,12 @@ class DistributedTransport(Transport):
 
     Every message carries its step number and the step's micro-batch count, so a stage learns
     both from its first activation (:meth:`recv_step`) instead of a header message of its own.
-    ``policy``: the backend's :class:`P2PPolicy` (default: that of the default group).
-    ``stage_ranks[s]``: the rank running stage s; a neighbour on this process's own rank
-    exchanges messages through ``local`` (one mailbox shared by the rank's transports).
+    This class frames the messages (:mod:`gpipe_core.wire`, sizes, steps); one
+    :class:`~gpipe_core.channel.Channel` per neighbour moves them (the backend's policy, the
+    bound on every wait, buffers kept alive until sent, failures that name the peer).
+    ``policy``: the backend's :class:`~gpipe_core.channel.P2PPolicy` (default: that of the
+    default group). ``stage_ranks[s]``: the rank running stage s; a neighbour on this process's
+    own rank exchanges messages through ``local`` (one mailbox shared by the rank's transports).
     """
 
     def __init__(
@@ -272,10 +228,16 @@ class DistributedTransport(Transport):
         self.local = local if local is not None else {}
         self.device = device
         self.policy = policy if policy is not None else policy_for(dist.get_backend())
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._pending: list[Any] = []  # (work, buffer, stage) of sends in flight
-        self._send_channels: dict[int, _Channel] = {}
-        self._recv_channels: dict[int, _Channel] = {}
+        self.timeout_s = timeout_s
+        # one Channel per neighbour on another rank, on the pipeline's own tags (tag_base 0)
+        self.channels = {
+            stage: Channel(stage_index, self.stage_ranks, policy=self.policy,
+                           timeout_s=timeout_s, what=_step_name(0), tag_base=0)
+            for stage in (stage_index - 1, stage_index + 1)
+            if 0 <= stage < len(self.stage_ranks) and not self._is_local(stage)
+        }
+        self._send_links: dict[int, _Link] = {}
+        self._recv_links: dict[int, _Link] = {}
         self._step = 0
         self._num_microbatches = 0
         self._first_activation: tuple[Any] | None = None  # read by recv_step, not yet taken
@@ -286,8 +248,9 @@ class DistributedTransport(Transport):
     def recv_step(self, step: int) -> int:
         """Also :class:`StepMismatch` if the previous stage is at another step."""
         stage = self.stage_index - 1
-        channel = self._recv_channels.setdefault(stage, _Channel())
-        channel.remaining = 1  # the step's size is not known yet: take one message only
+        self._name_step(step)
+        link = self._recv_link(stage)
+        link.remaining = 1  # the step's size is not known yet: take one message only
         payload, header = self._recv_message(stage, step)
         self._first_activation = (payload,)
         return header.num_microbatches
@@ -297,6 +260,7 @@ class DistributedTransport(Transport):
         each neighbour and, with ``policy.post_early``, posts the first receive of each."""
         self._step, self._num_microbatches = step, num_microbatches
         self._carried = math.nan
+        self._name_step(step)
         self.policy.refresh()
         last = len(self.stage_ranks) - 1
         first_taken = self._first_activation is not None
@@ -306,10 +270,10 @@ class DistributedTransport(Transport):
         for stage, count in expected.items():
             if not 0 <= stage <= last or self._is_local(stage):
                 continue
-            channel = self._recv_channels.setdefault(stage, _Channel())
-            channel.remaining = count
-            if self.policy.post_early and count > 0 and channel.posted is None:
-                channel.posted = self._post_recv(stage, channel.predicted)
+            link = self._recv_link(stage)
+            link.remaining = count
+            if self.policy.post_early and count > 0 and link.posted is None:
+                link.posted = self._post_recv(stage, link.predicted)
 
     def send_activation(self, mb: int, payload: Any) -> None:
         self._send(self.stage_index + 1, payload, math.nan)
@@ -329,98 +293,54 @@ class DistributedTransport(Transport):
     def carried(self) -> float:
         return self._carried
 
+    def finish(self) -> None:
+        for channel in self.channels.values():
+            channel.finish()
+
     def _is_local(self, stage: int) -> bool:
         return self.stage_ranks[stage] == self.stage_ranks[self.stage_index]
 
     def _tag(self, stage: int) -> int:
         """The tag of the boundary between this stage and its neighbour ``stage``."""
-        return _TAG_DATA + min(stage, self.stage_index)
+        return TAG_BOUNDARY + min(stage, self.stage_index)
 
-    def finish(self) -> None:
-        pending, self._pending = self._pending, []
-        for work, _buffer, stage in pending:
-            self._wait_sent(work, stage)
+    def _name_step(self, step: int) -> None:
+        """Failures name the step they happen in."""
+        what = _step_name(step)
+        for channel in self.channels.values():
+            channel.what = what
 
-    def _wait_sent(self, work: Any, stage: int) -> None:
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            rank = self.stage_ranks[stage]
-            raise PeerError(rank, stage, f"send did not complete ({exc})") from exc
-
-    def _release_sent(self) -> None:
-        """Free the buffers of sends that have left (a step would otherwise hold every message
-        it sent until :meth:`finish`: M activations or gradients on a stage); a failed one
-        raises here as it would there."""
-        still = []
-        for work, buffer, stage in self._pending:
-            if work.is_completed():
-                self._wait_sent(work, stage)
-            else:
-                still.append((work, buffer, stage))
-        self._pending = still
-
-    # -- control messages outside steps ----------------------------------------------------
-
-    def send_tensor(self, tensor: Tensor, stage: int) -> None:
-        """Send one tensor of known shape to ``stage`` (tied weights); :meth:`finish` waits."""
-        self._isend(tensor.contiguous(), stage, _TAG_CONTROL)
-
-    def recv_tensor(self, out: Tensor, stage: int) -> Tensor:
-        """Receive into ``out`` a tensor that ``stage`` sent with :meth:`send_tensor`."""
-        rank = self.stage_ranks[stage]
-        try:
-            work = self.policy.call(dist.irecv, out, rank, _TAG_CONTROL)
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise PeerError(rank, stage, f"receive failed ({exc})") from exc
-        return out
+    def _recv_link(self, stage: int) -> _Link:
+        link = self._recv_links.get(stage)
+        if link is None:
+            link = self._recv_links[stage] = _Link()
+        return link
 
     # -- messages --------------------------------------------------------------------------
 
-    def _isend(self, tensor: Tensor, stage: int, tag: int) -> None:
-        rank = self.stage_ranks[stage]
-        try:
-            work = self.policy.call(dist.isend, tensor, rank, tag)
-        except RuntimeError as exc:
-            raise PeerError(rank, stage, f"send failed ({exc})") from exc
-        self._release_sent()
-        self._pending.append((work, tensor, stage))  # keep the buffer alive until it has left
-
-    def _post_recv(self, stage: int, nbytes: int) -> tuple[Any, Tensor]:
+    def _post_recv(self, stage: int, nbytes: int) -> Posted:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        rank = self.stage_ranks[stage]
-        try:
-            work = self.policy.call(dist.irecv, buffer, rank, self._tag(stage))
-        except RuntimeError as exc:
-            raise PeerError(rank, stage, f"receive failed ({exc})") from exc
-        return work, buffer
-
-    def _wait(self, posted: tuple[Any, Tensor], stage: int) -> Tensor:
-        work, buffer = posted
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            rank = self.stage_ranks[stage]
-            raise PeerError(rank, stage, f"receive failed ({exc})") from exc
-        return buffer
+        return self.channels[stage].post(buffer, stage, self._tag(stage))
 
     def _send(self, stage: int, payload: Any, carry: float) -> None:
         if self._is_local(stage):  # the neighbour runs on this rank: no message
             self.local.setdefault((self.stage_index, stage), []).append((payload, carry))
             return
-        channel = self._send_channels.setdefault(stage, _Channel())
-        buffer, channel.skeleton = wire.pack(
+        link = self._send_links.get(stage)
+        if link is None:
+            link = self._send_links[stage] = _Link()
+        channel, tag = self.channels[stage], self._tag(stage)
+        buffer, link.skeleton = wire.pack(
             payload, step=self._step, num_microbatches=self._num_microbatches,
-            device=self.device, carry=carry, previous_skeleton=channel.skeleton,
+            device=self.device, carry=carry, previous_skeleton=link.skeleton,
         )
         size = buffer.numel()
-        if size != channel.predicted:  # announce the new size in a message of the old one
-            self._isend(wire.pack_resize(channel.predicted, size, step=self._step,
-                                         num_microbatches=self._num_microbatches,
-                                         device=self.device), stage, self._tag(stage))
-            channel.predicted = size
-        self._isend(buffer, stage, self._tag(stage))
+        if size != link.predicted:  # announce the new size in a message of the old one
+            channel.send(wire.pack_resize(link.predicted, size, step=self._step,
+                                          num_microbatches=self._num_microbatches,
+                                          device=self.device), stage, tag)
+            link.predicted = size
+        channel.send(buffer, stage, tag)
 
     def _recv(self, stage: int) -> Any:
         if self._is_local(stage):
@@ -442,15 +362,15 @@ class DistributedTransport(Transport):
 
     def _recv_message(self, stage: int, expect_step: int) -> tuple[Any, wire.Header]:
         """The next message of ``expect_step`` from ``stage``: its payload and header."""
-        channel = self._recv_channels.setdefault(stage, _Channel())
-        posted, channel.posted = channel.posted, None
+        link, channel = self._recv_link(stage), self.channels[stage]
+        posted, link.posted = link.posted, None
         if posted is None:
-            posted = self._post_recv(stage, channel.predicted)
-        buffer = self._wait(posted, stage)
+            posted = self._post_recv(stage, link.predicted)
+        buffer = channel.wait(posted)
         header = wire.read_header(buffer)
         if header.kind == wire.RESIZE:
-            channel.predicted = header.total_bytes
-            buffer = self._wait(self._post_recv(stage, channel.predicted), stage)
+            link.predicted = header.total_bytes
+            buffer = channel.wait(self._post_recv(stage, link.predicted))
             header = wire.read_header(buffer)
             if header.kind != wire.DATA:
                 raise wire.WireError(f"stage {stage} sent two RESIZE messages in a row")
@@ -460,8 +380,8 @@ class DistributedTransport(Transport):
                 f"message of step {header.step}; every rank must call step() and evaluate() "
                 "the same number of times, in the same order"
             )
-        channel.remaining -= 1
-        if self.policy.post_early and channel.remaining > 0:
-            channel.posted = self._post_recv(stage, channel.predicted)  # the next finds it waiting
-        payload, channel.skeleton = wire.unpack(buffer, header, channel.skeleton)
+        link.remaining -= 1
+        if self.policy.post_early and link.remaining > 0:
+            link.posted = self._post_recv(stage, link.predicted)  # the next finds it waiting
+        payload, link.skeleton = wire.unpack(buffer, header, link.skeleton)
         return payload, header

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_core import wire
+from gpipe_core.channel import Posted
+from gpipe_core.failure import PipelineFailure
 from gpipe_core.transport import (
     DistributedTransport,
     GlooPolicy,
@@ -196,7 +198,7 @@ def test_a_truncated_message_is_a_wire_error() -> None:
     message, _ = wire.pack(torch.ones(3), step=0, num_microbatches=1, device=CPU)
     damaged = message.clone()
     damaged[8:16] = 0x7F  # kind
-    second._recv_channels[0].predicted = message.numel()
+    second._recv_links[0].predicted = message.numel()
     network.send(damaged, 0, 1, 1)
     with pytest.raises(wire.WireError, match="unknown message kind"):
         second.recv_step(0)
@@ -207,13 +209,38 @@ def test_sends_that_have_left_are_released_before_the_step_ends() -> None:
     network = Network()
     first, _ = pair(network)
     first.begin_step(0, 4, backward=False)
+    channel = first.channels[1]
     for mb in range(4):
         first.send_activation(mb, torch.ones(1000))
-        assert len(first._pending) == 1  # the earlier sends completed: only the newest is held
+        assert len(channel._sends) == 1  # the earlier sends completed: only the newest is held
     in_flight = _Work(done=False, match=lambda: None)
-    first._pending.append((in_flight, torch.ones(1), 1))
-    first._release_sent()
-    assert first._pending[-1][0] is in_flight  # a send still in flight keeps its buffer
+    channel._sends.append(Posted(in_flight, torch.ones(1), 1))
+    first.send_activation(4, torch.ones(1000))
+    assert [sent.work for sent in channel._sends][0] is in_flight  # still in flight: kept
+    assert len(channel._sends) == 2
+
+
+def test_a_neighbour_that_does_not_answer_is_a_pipeline_failure_naming_both_ends() -> None:
+    network = Network()
+    first, second = pair(network)
+    second.begin_step(2, 1, backward=False)  # the third training step
+    with pytest.raises(PipelineFailure, match=(
+            r"^rank 1 \(stage 1\) in step 3, waiting for peer rank 0 \(stage 0\), stops: timed "
+            r"out: no message .*\(no answer within 60 s or connection closed; that rank failed "
+            r"or hangs\)$")):
+        second.recv_activation(0)
+    first.begin_step(-2, 1, backward=True)  # the second evaluation
+    first.send_activation(0, torch.ones(1))
+    with pytest.raises(PipelineFailure, match=r"^rank 0 \(stage 0\) in evaluation 2, waiting "
+                                              r"for peer rank 1 \(stage 1\), stops"):
+        first.recv_gradient(0)
+
+
+def test_peer_error_is_a_deprecated_name_of_pipeline_failure() -> None:
+    from gpipe_core import transport
+
+    with pytest.warns(DeprecationWarning, match="PipelineFailure"):
+        assert transport.PeerError is PipelineFailure
 
 
 def test_quiet_io_is_a_constructor_switch(tmp_path: Path) -> None:

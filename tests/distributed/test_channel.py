@@ -51,4 +51,7 @@ def test_channel_messages_by_tag_and_a_silent_peer_named(tmp_path: Path) -> None
     assert one[3] == "silent"
     seconds, message = zero[3].split(" s: ", 1)
     assert int(seconds) < 8, zero[3]
-    assert message.startswith("rank 0 (stage 0) in a test exchange, waiting for stage 1, stops")
+    assert message.startswith("rank 0 (stage 0) in a test exchange, waiting for peer rank 1 "
+                              "(stage 1), stops: "), message
+    assert message.endswith("(no answer within 2 s or connection closed; that rank failed or "
+                            "hangs)"), message
