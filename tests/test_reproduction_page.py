@@ -213,3 +213,21 @@ def test_matches_reads_the_printed_precision() -> None:
     assert matches("2", 2) and not matches("8", 2) and matches("1,234", 1234.4)
     assert bold_numbers("a **[3.98, 6.72]**x at 56 px, **2** of **10**") == ["3.98", "6.72", "2",
                                                                            "10"]
+
+
+NOTEBOOK = DATA / "NOTEBOOK.md"
+GROUPS = ("<!-- unbacked-groups:start -->", "<!-- unbacked-groups:end -->")
+
+
+def test_the_notebooks_list_of_unbacked_groups_names_only_files_that_exist() -> None:
+    """The notebook's top list of number groups that once had no JSON (issue 40): each entry
+    that cites a JSON cites one that exists under docs/reproduction/."""
+    text = NOTEBOOK.read_text()
+    assert GROUPS[0] in text and GROUPS[1] in text, "the notebook's list markers are missing"
+    block = text.split(GROUPS[0])[1].split(GROUPS[1])[0]
+    entries = [line for line in block.splitlines() if line.startswith("- ")]
+    assert entries, "the list has no entries"
+    cited = re.findall(r"`([^`]+\.json)`", block)
+    assert cited, "the list cites no JSON"
+    missing = [path for path in cited if not (DATA / path).is_file()]
+    assert not missing, f"the notebook's list names missing files: {missing}"
