@@ -63,7 +63,7 @@ RELATIONS: dict[str, list[str]] = {
     "timeout_s": ["0.001", str(MIN_TIMEOUT_S / 2)],
     "bucket_thresholds": ["[1,2]", "[5]", "nan", "[x,1]"],
     # a per-rank budget below the smallest feasible peak (everything re-materialized)
-    "memory_budget_mb": ["0.001", "1"],
+    "memory_budget_mb": ["0.001", "0.01"],
 }
 
 
