@@ -341,3 +341,109 @@ def test_nmt_evaluate_under_torchrun_gives_the_single_process_report(nmt_run: Pa
     piped = json.loads((tmp_path / "piped.json").read_text())
     assert piped["languages"] == single["languages"]  # scores and example hypotheses
     assert piped["buckets"] == single["buckets"] and piped["sentences"] == single["sentences"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The eval commands' own report files: a write that fails is one line naming the file
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def test_nmt_evaluate_names_a_report_file_it_cannot_write(
+    nmt_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from apps.nmt import evaluate
+
+    for blocked in (".json", ".png"):  # a folder where the file should be
+        out = tmp_path / blocked[1:] / "report"
+        out.with_suffix(blocked).mkdir(parents=True)
+        assert evaluate.main(["--ckpt", str(nmt_run), "--split", "test", "--beam", "1",
+                              "--max-per-lang", "2", "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert len(error_lines(err)) == 1 and "Traceback" not in err, err
+        line = error_lines(err)[0]
+        assert line.startswith(f"error: could not write {out.with_suffix(blocked)}: "), line
+        assert "free on its filesystem" in line and "another --out path" in line, line
+
+
+def test_amoebanet_evaluate_names_a_report_file_it_cannot_write(
+    amoebanet_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from apps.amoebanet import evaluate
+
+    out = tmp_path / "eval"
+    out.with_suffix(".png").mkdir()
+    assert evaluate.main(["--ckpt", str(amoebanet_run), "--out", str(out),
+                          "--eval_batch_size=5"]) == 1
+    err = capsys.readouterr().err
+    assert len(error_lines(err)) == 1 and "Traceback" not in err, err
+    assert error_lines(err)[0].startswith(f"error: could not write {out.with_suffix('.png')}: ")
+    assert json.loads(out.with_suffix(".json").read_text())["images"] > 0  # written before
+    # under torchrun: rank 0 says it once, the other rank does not wait for it in vain
+    (tmp_path / "piped.json").mkdir()
+    run = command(*launch.torchrun_command("apps.amoebanet.evaluate", [
+        "--ckpt", str(amoebanet_run), "--out", str(tmp_path / "piped"),
+        "--eval_batch_size=5"])[2:])
+    assert run.returncode != 0
+    assert len(error_lines(run.stderr)) == 1, run.stderr[-3000:]
+    assert error_lines(run.stderr)[0].startswith(
+        f"error: could not write {tmp_path / 'piped.json'}: "), run.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# A rank that stops (SIGSTOP) while translate decodes through the pipeline
+
+
+@pytest.fixture(scope="module")
+def nmt_run_short_timeout(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny NMT checkpoint whose config says timeout_s=4 (what its pipelines wait)."""
+    out_dir = tmp_path_factory.mktemp("nmt_short") / "run"
+    nmt_tests.torchrun(nmt_tests.tiny_args(corpus, out_dir, max_steps=2, dropout=0.0,
+                                           timeout_s=4))
+    return out_dir
+
+
+def test_a_stopped_rank_in_pipelined_translation_is_named_with_rank_and_stage(
+    nmt_run_short_timeout: Path, corpus: Path, tmp_path: Path
+) -> None:
+    import signal
+    import time
+
+    from tests.apps.test_failures import HUNG_BOUND_S, finish, launch, wait_for, worker_pids
+
+    sentences, _ = load_eval_sentences(corpus, "test", ["de"], max_per_lang=50, pad_id=0)
+    lines = [s.source for s in sentences]
+    source_file = tmp_path / "sources.de"
+    # groups of 3000 lines, each of which takes the pipeline seconds to decode (one process
+    # decodes about 1500 lines a second), between messages of milliseconds: the stop comes
+    # half a second after the first group's translations, in the second group's decoding
+    size = 3000
+    source_file.write_text("\n".join(lines * (4 * size // len(lines) + 1)) + "\n")
+    log = tmp_path / "out.txt"
+    process = launch(["--ckpt", str(nmt_run_short_timeout), "--lang", "de", "--input",
+                      str(source_file), "--beam-size", "2", "--batch-lines", str(size)], log,
+                     module="apps.nmt.translate")
+    wait_for(lambda: len(log.read_text().splitlines()) >= size, process, log, timeout_s=90)
+    time.sleep(0.5)
+    pids = worker_pids(process.pid)
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_for(lambda: "error: " in log.read_text(), process, log, timeout_s=30)
+        waited = time.monotonic() - stopped
+    finally:
+        os.kill(pids[1], signal.SIGKILL)
+    output = finish(process, log)
+    assert process.returncode != 0
+    errors = error_lines(output)
+    assert len(errors) == 1, output[-3000:]
+    # torchrun's agent prints its ChildFailedError; no traceback comes from the command
+    assert not [line for line in output.splitlines()
+                if line.startswith("  File") and f"{REPO}/apps/" in line], output[-3000:]
+    # this rank and stage, and the peer's rank and stage: "stage 1" alone is ambiguous when
+    # the world holds several pipelines (data-parallel replicas)
+    assert errors[0].startswith("error: rank 0 (stage 0) in pipelined decoding, "), errors[0]
+    assert "rank 1 (stage 1)" in errors[0], errors[0]
+    assert waited < HUNG_BOUND_S, waited
