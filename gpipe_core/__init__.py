@@ -10,10 +10,10 @@ from .events import TimelineEvent
 from .failure import PipelineFailure, collectives, report_failure
 from .groups import group_timeout_s, init_process_groups
 from .layout import PipelineLayout, read_layout
-from .materialize import materialize
+from .materialization import materialize
 from .partition import Balance, balance_by_memory, balance_by_params, balance_by_time
 from .pipe import GPipe
-from .plan import NoPlanFits, Plan, plan, plan_largest
+from .planner import NoPlanFits, Plan, plan, plan_largest
 from .precision import PRECISIONS, LossScaler
 from .profile import profile_stages, profile_timeline
 from .remat import Remat
@@ -32,9 +32,9 @@ from .schedule import (
     zb_v,
 )
 from .schedule import gpipe as gpipe  # deprecated (it warns): fill_drain; not in __all__
-from .sequentialize import SequentializeError, Shared, sequentialize
+from .sequentializer import SequentializeError, Shared, sequentialize
 from .shards import load_shards, save_shards
-from .simulate import Simulation, simulate
+from .simulator import Simulation, simulate
 from .stage_profile import StageProfile
 from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
 

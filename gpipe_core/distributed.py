@@ -46,7 +46,7 @@ from .failure import PipelineFailure, collectives, peer_failure, report_failure
 from .gradients import average_gradients, clip_grad_norm
 from .groups import default_device, group_timeout_s
 from .layout import PipelineLayout, read_layout, stage_split
-from .materialize import InitFn, is_meta, materialize_layer
+from .materialization import InitFn, is_meta, materialize_layer
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import Balance, split_module, verify_module
 from .precision import LossScaler, check_precision
@@ -465,7 +465,7 @@ class DistributedGPipe(StepCounter, nn.Module):
     def profile(self, *, transfer: float | Sequence[float] = 0.0) -> StageProfile:
         """The costs of every stage's actions as this pipeline ran them, from the steps in the
         timelines (:func:`~gpipe_core.profile.profile_timeline`): what
-        :func:`~gpipe_core.simulate.simulate` takes to predict other schedules, micro-batch
+        :func:`~gpipe_core.simulator.simulate` takes to predict other schedules, micro-batch
         counts aside. Clear the timelines (``pipe.timeline.clear()`` on every rank) after
         warm-up steps. Collective: every rank of the pipeline group must call it; every rank
         gets the same profile.

@@ -1,5 +1,5 @@
-"""Measuring the per-stage costs :func:`~gpipe_core.simulate.simulate` and
-:func:`~gpipe_core.plan.plan` take, by replaying each rank's own actions.
+"""Measuring the per-stage costs :func:`~gpipe_core.simulator.simulate` and
+:func:`~gpipe_core.planner.plan` take, by replaying each rank's own actions.
 
 :func:`profile_stages` cuts an ``nn.Sequential`` by ``balance`` into the same
 :class:`~gpipe_core.stage.Stage` objects the pipelines run, captures every message a step
@@ -21,7 +21,7 @@ measured with a ping-pong on your links).
     prediction = gp.simulate(gp.get_schedule("1f1b", 2, 8), profile)
 
 One stage per layer (``balance=[1] * len(model)``) profiles every layer; such a profile per M
-is what :func:`~gpipe_core.plan.plan` takes as ``profiles``. The module's parameters,
+is what :func:`~gpipe_core.planner.plan` takes as ``profiles``. The module's parameters,
 gradients and buffers (BatchNorm's running statistics) are as they were after profiling.
 Under ``torchrun``, each rank may replay only its own row (``ranks=[rank]``) at the same
 time as the others, so that cores and memory are shared as in the pipeline.

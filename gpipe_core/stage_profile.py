@@ -1,5 +1,5 @@
 """The record of measured per-stage costs (:class:`StageProfile`): what
-:func:`~gpipe_core.simulate.simulate` and :func:`~gpipe_core.plan.plan` take, and what
+:func:`~gpipe_core.simulator.simulate` and :func:`~gpipe_core.planner.plan` take, and what
 :func:`~gpipe_core.profile.profile_stages` (a replay) and
 :func:`~gpipe_core.profile.profile_timeline` (a pipeline's own timeline) measure.
 
@@ -71,7 +71,7 @@ class StageProfile:
                                         one, list(self.transfer), 1)
 
     def simulate_kwargs(self) -> dict[str, Any]:
-        """The arguments of :func:`~gpipe_core.simulate.simulate` this profile gives."""
+        """The arguments of :func:`~gpipe_core.simulator.simulate` this profile gives."""
         kwargs: dict[str, Any] = {
             "forward": self.forward, "backward": self.backward,
             "forward_no_grad": self.forward_no_grad, "recompute": self.recompute,

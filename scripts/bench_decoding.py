@@ -36,7 +36,7 @@ from apps.nmt.config import NMTConfig, build_model, replace
 from apps.nmt.pipelined_search import pipelined_search_hypotheses
 from apps.nmt.search import BeamSearch, GreedySearch, Hypothesis, search_hypotheses
 from gpipe_core.launch import spawn
-from gpipe_core.materialize import materialize
+from gpipe_core.materialization import materialize
 from gpipe_core.partition import optimal_balance
 from scripts.harness import (
     LiveTensorBytes,

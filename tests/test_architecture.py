@@ -9,7 +9,7 @@ What counts as an arrow ``A -> B`` (module A imports module B of the library):
   of A must know B). The table marks the last two kinds, ``(lazy)`` and ``(types)``, so the
   page says how each arrow is made; an import of B of more than one kind counts as the
   strongest (top > lazy > types);
-- a package (``gpipe_core/sequentialize/``) is one module: its files' imports of one another
+- a package (``gpipe_core/sequentializer/``) is one module: its files' imports of one another
   are its own, its imports of other modules are its arrows;
 - the face, ``gpipe_core/__init__.py``, hands the public names on: it stands above every
   module and has no row; a module that imports the face (``import gpipe_core``) is an error.
@@ -245,7 +245,7 @@ def test_the_reading_of_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_no_public_name_shadows_another_modules_submodule() -> None:
     # ``gp.NAME`` for a submodule's NAME hides the submodule from ``import gpipe_core.NAME as m``
     # (the package's attribute wins). Where NAME is the submodule's own entry point (gp.simulate
-    # from gpipe_core/simulate.py) the two at least mean the same thing; a name from another
+    # from gpipe_core/simulator.py) the two at least mean the same thing; a name from another
     # module misleads: gp.gpipe, the schedule builder, hid gpipe_core.gpipe, GPipe's module
     # (now gpipe_core.pipe, the builder gp.fill_drain).
     for info in pkgutil.iter_modules(gpipe_core.__path__):

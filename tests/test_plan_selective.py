@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import gpipe_core as gp
-from gpipe_core.plan import NoPlanFits, plan
-from gpipe_core.simulate import simulate
+from gpipe_core.planner import NoPlanFits, plan
+from gpipe_core.simulator import simulate
 
 
 def test_kept_bytes_replace_the_input_for_a_rematerialized_micro_batch() -> None:
@@ -170,7 +170,7 @@ def test_the_memory_model_is_what_a_stage_holds() -> None:
     model from :func:`gp.layer_costs`, plus the stage's output when its last layer is kept (a
     kept run holds its outputs as its backward's roots; the model, like ``"never"``'s, leaves
     out an output its layer does not save)."""
-    from gpipe_core.plan import _Selective
+    from gpipe_core.planner import _Selective
     from gpipe_core.stage import Stage
     from scripts.harness import LiveTensorBytes
 

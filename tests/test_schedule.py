@@ -438,6 +438,6 @@ def test_interleaved_zb_within_interleaved_memory_and_no_slower(k: int, v: int,
     assert all(a <= b for a, b in zip(schedule.peak_held(), plain.peak_held(), strict=True))
     n = k * v
     costs = dict(backward_input=[1.0] * n, backward_weight=[1.0] * n)
-    from gpipe_core.simulate import simulate
+    from gpipe_core.simulator import simulate
     assert (simulate(schedule, [1.0] * n, **costs).step_time
             <= simulate(plain, [1.0] * n, [2.0] * n).step_time)

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 import gpipe_core as gp
-from gpipe_core.plan import plan
-from gpipe_core.simulate import simulate
+from gpipe_core.planner import plan
+from gpipe_core.simulator import simulate
 
 
 @pytest.mark.parametrize(("k", "m"), [(2, 1), (2, 4), (4, 8), (4, 16), (3, 5)])

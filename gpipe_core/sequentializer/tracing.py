@@ -123,7 +123,7 @@ def _user_frame(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = str(torch.__file__).rsplit("/", 1)[0]
     user = [f for f in frames if not f.filename.startswith(torch_dir)
-            and "/gpipe_core/sequentialize/" not in f.filename]
+            and "/gpipe_core/sequentializer/" not in f.filename]
     if not user:
         return "(no frame outside torch)"
     frame = user[-1]

@@ -2,7 +2,7 @@
 
 The module's forward is traced with ``torch.export`` (a dynamic batch dimension, once in
 training and once in evaluation mode), the traced operations are cut at split points, and each
-piece becomes a layer (:class:`~gpipe_core.sequentialize.segment.Segment`) of an
+piece becomes a layer (:class:`~gpipe_core.sequentializer.segment.Segment`) of an
 ``nn.Sequential`` that ``GPipe``, ``DistributedGPipe``, the balancers and the checkpoint
 functions take unchanged::
 

@@ -7,7 +7,7 @@ available, every M that divides the batch into micro-batches of at least ``min_m
 samples, every checkpoint mode and every schedule asked for (with virtual stages: V stages per
 device for interleaved 1F1B, 2 for ZB-V); balances layers optimally over the stages; predicts
 the step with
-:func:`~gpipe_core.simulate.simulate`; and returns the fastest plan whose predicted peak memory
+:func:`~gpipe_core.simulator.simulate`; and returns the fastest plan whose predicted peak memory
 per device fits the budget. Per-micro-batch costs are modelled as the whole-batch cost divided
 by M plus a fixed per-action overhead, which is what small micro-batches cost on real hardware,
 unless ``microbatch_costs`` gives the costs measured at that M (what a profile of each M
@@ -46,7 +46,7 @@ from .devices import Device, bytes_per_parameter
 from .partition import optimal_balance
 from .remat import Remat
 from .schedule import SCHEDULE_NAMES, Schedule, get_schedule
-from .simulate import Simulation, simulate
+from .simulator import Simulation, simulate
 from .stage_profile import StageProfile
 
 __all__ = ["Plan", "plan", "plan_largest", "NoPlanFits"]
