@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from apps.harness.writes import free_space
+from apps.harness.write_failures import free_space
 
 __all__ = ["ReportWriteError", "report_write"]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import gpipe_core as gp
 from apps.config import ConfigError, config_yaml
+from apps.harness.write_failures import failure_message
 from gpipe_core.storage import (
     CheckpointGoneError,
     pin_checkpoint,
@@ -47,7 +48,7 @@ class CheckpointError(FileNotFoundError):
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (full disk, quota, ...); the message says which one,
     the free space, which earlier checkpoint is intact, and the command that continues
-    (``apps.harness.writes.failure_message``). ``same_on_every_rank``: the checkpoint's
+    (``apps.harness.write_failures.failure_message``). ``same_on_every_rank``: the checkpoint's
     folder; every rank that fails on it says one failure, so only rank 0 prints it."""
 
     def __init__(self, message: str, *, checkpoint: Path | None = None) -> None:
@@ -139,8 +140,6 @@ def write_checkpoint(
         if rank == 0:
             publish_checkpoint(out_dir, path, keep=keep)
     except OSError as error:  # a full disk, a quota, a lost mount: say what is still there
-        from apps.harness.writes import failure_message
-
         kept = (f"the previous checkpoint {out_dir / previous} is intact and {LATEST} still "
                 "names it" if previous else "there is no earlier checkpoint")
         raise CheckpointWriteError(
@@ -253,6 +252,14 @@ def read_latest(out_dir: Path) -> tuple[str | None, str | None]:
 
 
 _ROTATION_RETRIES = 20  # a trainer rotating every step, each look taking milliseconds
+
+
+def what_is_intact(out_dir: Path) -> tuple[str, bool]:
+    """(what a reader of the message may rely on, whether there is a checkpoint to resume)."""
+    name, _ = read_latest(out_dir)
+    if name is None:
+        return "there is no checkpoint yet", False
+    return f"the last checkpoint {out_dir / name} is intact and {LATEST} names it", True
 
 
 def run_checkpoint(out_dir: Path, *, train_command: str, skip_damaged: bool,
