@@ -14,6 +14,17 @@ From that step on the run is deterministic: the chosen ``train_steps`` goes into
 config, checkpoint and summary, and ``--train_steps=N`` on another machine (or ``--resume``)
 reproduces it exactly. A machine that slows down after the decision makes the run take longer;
 it never shortens the schedule.
+
+Every setting of how long a run lasts, in both apps (:data:`RETIRED_LENGTH_KEYS` are refused,
+naming these)::
+
+    train_steps      the run's length in optimizer steps, and its schedule's (0: decided below)
+    budget_minutes   a time the length is fitted to once the first steps were timed (0: none)
+    max_steps/epochs the most the config trains (NMT in steps, AmoebaNet in epochs): the length
+                     when neither of the above is given, and the cap of a fitted one
+    goal_steps       the steps at which the config's quality goal was measured (only reported)
+    stop_at_step     a run option, not a length: this invocation stops after that step with a
+                     checkpoint, the schedule unchanged, and ``--resume`` continues
 """
 
 from __future__ import annotations
@@ -30,11 +41,23 @@ import torch.distributed as dist
 import gpipe_core as gp
 from apps.config import ConfigError
 
-__all__ = ["BudgetChoice", "RunLength", "StepTimer", "choose_train_steps", "decision_step"]
+__all__ = ["HOW_LONG", "RETIRED_LENGTH_KEYS", "BudgetChoice", "RunLength", "StepTimer", "choose_train_steps",
+           "decision_step"]
 
 SKIP_STEPS = 5  # the first steps are slower (allocator, caches, the data loader filling up)
 TIMED_STEPS = 30  # steps timed after those: the pipeline's step time over a few dozen batches
 SAFETY = 1.08  # time per step assumed above the measured one (epoch ends, checkpoints, logging)
+
+HOW_LONG = ("a run's length is --train_steps=N (optimizer steps; the learning-rate schedule "
+            "spans them) or --budget_minutes=T (the steps that fit T minutes, fitted once the "
+            "first steps were timed)")
+# Settings of a run's length that are no longer settings in either app, and what replaces each
+# (apps.config refuses them when set; at 0, their old 'off', they are dropped, so a checkpoint's
+# saved config.yaml from before still loads). Each app's config adds its own.
+RETIRED_LENGTH_KEYS = {
+    "max_minutes": (f"{HOW_LONG}; to stop now and continue later, give --stop_at_step=N or "
+                    "send SIGTERM (a checkpoint is written), then --resume"),
+}
 
 
 def decision_step(warmup_steps: float) -> int:
@@ -175,13 +198,15 @@ class RunLength:
     ``step``: the steps already done (a resumed run); ``saved_steps``: the length a resumed
     run's checkpoint recorded (0 if it was saved before the decision); ``goal_steps``: the steps
     at which the config's quality goal was measured to hold (0: none), reported beside a
-    measured length that falls short of it.
+    measured length that falls short of it; ``stop_at_step``: this invocation stops there (0:
+    at the run's end), the length and the schedule unchanged.
     """
 
     def __init__(self, *, train_steps: int, budget_minutes: float, cap: int, cap_name: str,
                  warmup_steps: float, step: int = 0, saved_steps: int = 0,
-                 goal_steps: int = 0) -> None:
+                 goal_steps: int = 0, stop_at_step: int = 0) -> None:
         self.cap, self.budget_minutes, self.goal_steps = cap, budget_minutes, goal_steps
+        self.stop_at_step = stop_at_step
         self.timer: StepTimer | None = None
         self.choice: BudgetChoice | None = None
         if saved_steps and train_steps and saved_steps != train_steps:
@@ -220,6 +245,20 @@ class RunLength:
         if self.choice is not None and self.choice.chosen_by not in ("measured", "train_steps"):
             return self.choice.chosen_by
         return f"train_steps={self.steps}"
+
+    def stop(self, step: int) -> str:
+        """Why the run stops before step ``step + 1`` ("" to go on): its length
+        (:attr:`stop_reason`) or this invocation's ``stop_at_step``."""
+        if step >= self.steps:
+            return self.stop_reason
+        if self.stop_at_step and step >= self.stop_at_step:
+            return f"stop_at_step={self.stop_at_step}"
+        return ""
+
+    @property
+    def bar_total(self) -> int:
+        """The steps this invocation trains to, for a progress bar."""
+        return min(self.steps, self.stop_at_step) if self.stop_at_step else self.steps
 
     @property
     def decided(self) -> bool:

@@ -124,7 +124,32 @@ def check_finite(name: str, value: float) -> None:
         raise ConfigError(f"{name}={value} is not a finite number; give a finite value")
 
 
+def _off(value: Any) -> bool:
+    """Whether a retired key's value is its old 'off' (0, 0.0, "0", empty): nothing to refuse."""
+    if value is None or value is False or value == "":
+        return True
+    try:
+        return float(value) == 0.0
+    except (TypeError, ValueError):
+        return False
+
+
+def _refuse_retired(cls: type, updates: dict[str, Any], source: str) -> dict[str, Any]:
+    """``updates`` without the retired keys at their old 'off' value (a config saved before they
+    retired still loads); ConfigError naming what replaces a retired key that is set.
+
+    A config dataclass lists its retired keys as ``RETIRED: ClassVar[dict[str, str]]``, each
+    with the sentence that says what to give instead."""
+    retired: dict[str, str] = getattr(cls, "RETIRED", {})
+    for key in sorted(set(updates) & set(retired)):
+        if not _off(updates[key]):
+            raise ConfigError(f"{key}={updates[key]} in {source} is no longer a setting: "
+                              f"{retired[key]}")
+    return {k: v for k, v in updates.items() if k not in retired}
+
+
 def _apply(config: C, updates: dict[str, Any], source: str) -> C:
+    updates = _refuse_retired(type(config), updates, source)
     types_by_name = _field_types(type(config))
     unknown = sorted(set(updates) - set(types_by_name))
     if unknown:

@@ -57,7 +57,7 @@ DEMO = {
     "d_model": 512, "ffn_dim": 2048, "num_heads": 8, "head_dim": 64, "num_layers": 6,
     "vocab_size": 4000, "languages": "fr,de", "data_dir": ".cache/gettext_m2en_demo",
     "packages": "quick", "max_tokens": 512, "chunks": 4, "checkpoint": "always",
-    "max_steps": 10, "max_minutes": 10, "eval_every": 0, "ckpt_every": 0,
+    "max_steps": 10, "eval_every": 0, "ckpt_every": 0,
     "eval_max_sentences": 100, "beam_size": 4, "max_decode_len": 32, "log_every": 1,
     # the evaluation's worst case: a length penalty this strong keeps beam search from ending
     # the untrained model's hypotheses early, so every sentence decodes max_decode_len tokens

@@ -26,8 +26,9 @@ Pre-norm, logits clipped at 20, dropout 0.1, label smoothing 0.1, Adam 3e-3, war
 inverse square root, gradient clip 1.0, 1,024 padded tokens per step; one process per run, two
 runs at a time.
 
-Budget: a fixed token budget (``max_train_tokens`` in the configs: 16M source + target tokens,
-about 9,800 steps) for every run; seeds 0, 1, 2 for each architecture. A seed fixes the data order and the init:
+Budget: a fixed number of steps, 9,272 (``max_steps`` in the configs: the step at which the
+published runs, which then stopped at a 16M-token budget, reached 16M source + target tokens;
+9,271 for seed 2), for every run; seeds 0, 1, 2 for each architecture. A seed fixes the data order and the init:
 deep and wide of one seed train on identical batches in identical order. A checkpoint every
 ``ckpt_every`` (1,250) steps, 8 per run, the same steps for both architectures.
 
@@ -141,7 +142,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "wide": {"config": "tiny", "num_layers": 1, "ffn_dim": 128, "num_heads": 4},
 }
 QUICK_COMMON: dict[str, Any] = {
-    "max_steps": 6, "max_train_tokens": 0, "ckpt_every": 2, "keep_checkpoints": 0,
+    "max_steps": 6, "ckpt_every": 2, "keep_checkpoints": 0,
     "eval_every": 0, "num_stages": 1,
     "chunks": 1, "beam_size": 1, "max_decode_len": 8, "eval_max_sentences": 2,
     "hold_memory": False, "log_every": 3,

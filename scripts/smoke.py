@@ -54,7 +54,7 @@ def main() -> None:
     run("AmoebaNet: train 30 steps on 2 pipeline stages", torchrun(
         "apps.amoebanet.train", "--config=apps/amoebanet/configs/cpu_fashion_mnist.yaml",
         "--num_normal_cells=3", "--filters=8", "--batch_size=32", "--chunks=2",
-        f"--out_dir={amoeba_out}", "--max_steps=30", "--wandb_mode=disabled",
+        f"--out_dir={amoeba_out}", "--stop_at_step=30", "--wandb_mode=disabled",
     ), timeout_s=900)
     run("AmoebaNet: test top-1", [sys.executable, "-m", "apps.amoebanet.evaluate",
                                   f"--ckpt={amoeba_out}", "--split=test"], timeout_s=300)

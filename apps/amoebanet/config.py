@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from apps.amoebanet.model import build_amoebanet, cell_layout, check_image_size
+from apps.budget import RETIRED_LENGTH_KEYS
 from apps.config import ConfigError, load_config, parse_overrides
 from apps.harness.checkpoints import KEEP_CHECKPOINTS
 from apps.harness.pipeline import check_pipeline_options
@@ -24,6 +25,15 @@ DEFAULT_CONFIG = CONFIG_DIR / "cpu_fashion_mnist.yaml"
 @dataclass
 class AmoebaNetConfig:
     """Everything one AmoebaNet run needs; defaults are a small CPU model on Fashion-MNIST."""
+
+    # refused with what replaces them (apps.config); the run's length is train_steps, or
+    # budget_minutes, or epochs (apps/budget.py)
+    RETIRED: ClassVar[dict[str, str]] = {
+        **RETIRED_LENGTH_KEYS,
+        "max_steps": ("to stop this invocation after N steps with the schedule unchanged (then "
+                      "--resume), give --stop_at_step=N; to make the run itself N steps long, "
+                      "its schedule with it, give --train_steps=N"),
+    }
 
     # --- model -------------------------------------------------------------------------------
     genotype: str = "D"  # "D" (AmoebaNet-D, as in Table 1) or "B" (the 84.4% ImageNet model)
@@ -100,7 +110,6 @@ class AmoebaNetConfig:
     goal_steps: int = 0
     budget_minutes: float = 0.0  # the whole run's time (data, training, final evaluation) that train_steps is fitted to; 0 = none
     max_loss_factor: float = 1000.0  # stop as diverged when the loss exceeds this many times ln(num_classes), a uniform guess's loss (0 = never)
-    max_minutes: float = 0.0  # a hard stop (0 = none): cuts the lr schedule short, and says so; budget_minutes is the way to fit a time
     seed: int = 0  # seeds data order, augmentation and initialisation
 
     # --- logging and checkpoints -------------------------------------------------------------
@@ -114,7 +123,9 @@ class AmoebaNetConfig:
 
     # --- run options (of one invocation; a resumed run may change them) ----------------------
     resume: bool = False  # continue from out_dir's latest checkpoint, exactly
-    max_steps: int = 0  # stop after this many optimizer steps, schedule unchanged (0 = at its end)
+    # stop this invocation after this step (checkpoint and final evaluation), the length and
+    # the schedule unchanged; --resume continues (0 = at the run's end)
+    stop_at_step: int = 0
 
 
 GENOTYPE_CHOICES = ("D", "B")
@@ -139,10 +150,10 @@ def validate(config: AmoebaNetConfig) -> AmoebaNetConfig:
     for key in positive:
         if getattr(config, key) <= 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be positive")
-    for key in ("num_workers", "eval_every_epochs", "ckpt_every", "keep_checkpoints", "max_minutes",
+    for key in ("num_workers", "eval_every_epochs", "ckpt_every", "keep_checkpoints",
                 "max_loss_factor", "color_jitter", "mixup", "cutmix", "weight_decay",
                 "warmup_epochs", "warmup_lr", "min_lr", "train_steps", "budget_minutes",
-                "goal_steps", "max_steps", "memory_budget_mb"):
+                "goal_steps", "stop_at_step", "memory_budget_mb"):
         if getattr(config, key) < 0:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 0")
     if len(config.mean) != config.in_chans or len(config.std) != config.in_chans:
@@ -227,7 +238,7 @@ def load_train_config(argv: Sequence[str]) -> AmoebaNetConfig:
         return load_amoebanet_config([f"--config={path}"]
                                      + [f"--{k}={v}" for k, v in overrides.items()])
     except ConfigError as error:
-        raise ConfigError(f"{error}; run options: --resume, --max_steps=N") from None
+        raise ConfigError(f"{error}; run options: --resume, --stop_at_step=N") from None
 
 
 def soft_targets(config: AmoebaNetConfig) -> bool:

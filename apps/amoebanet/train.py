@@ -2,12 +2,13 @@
 
     python -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d \
         --rdzv-endpoint 127.0.0.1:0 -m apps.amoebanet.train [--config=...] [--key=value ...] \
-        [--resume] [--max_steps=N]
+        [--resume] [--stop_at_step=N]
 
 With no ``--config`` the CPU default ``configs/cpu_fashion_mnist.yaml`` is used (a bare name such
 as ``--config=tiny_test`` means ``configs/tiny_test.yaml``). Two of the config's keys are options
-of one run: ``--resume`` continues from ``out_dir``'s latest checkpoint, and ``--max_steps=N`` stops after
-N optimizer steps without shortening the learning-rate schedule (for tests and smoke runs).
+of one run: ``--resume`` continues from ``out_dir``'s latest checkpoint, and ``--stop_at_step=N``
+stops after N optimizer steps without shortening the learning-rate schedule (for tests and smoke
+runs; ``--resume`` continues).
 
 Reads top to bottom: config -> data -> model -> optimizer -> (resume) -> loop -> final evaluation
 (through the pipeline: ``apps/amoebanet/evaluate.py``, which also scores checkpoints).
@@ -20,8 +21,6 @@ The run's length: ``train_steps`` if given; else, with ``budget_minutes`` (the C
 fitted once to that time from the speed of the first steps (``apps/budget.py``: the whole run,
 data preparation and the final evaluation included), and the cosine schedule spans exactly the
 chosen steps, so a slower machine trains fewer steps of a complete schedule; else ``epochs``.
-``max_minutes`` is a hard stop that cuts the schedule (and says so): rank 0 stops training when
-the time left would not cover the final evaluation.
 
 ``out_dir`` holds ``step-NNNNNNN/`` checkpoints (model shards keyed by the original module names,
 per-rank optimizer / scheduler / data-position / RNG state, ``run.json`` with the balance, and the
@@ -96,12 +95,12 @@ PROFILE_MAX_PARAMETERS = 50_000_000
 # Config keys a resumed run may change (apps.harness.checkpoints.check_resumable): they touch neither the
 # model, its partitioning nor the training stream; every other key must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
-    "out_dir", "data_dir", "max_minutes", "log_every", "eval_every_epochs", "eval_split",
+    "out_dir", "data_dir", "log_every", "eval_every_epochs", "eval_split",
     "eval_batch_size", "wandb_mode", "wandb_project", "skip_corrupt_shards", "timeout_s",
     "ckpt_every", "keep_checkpoints", "max_loss_factor", "pin_cpus", "hold_memory", "quiet_io",
     "budget_minutes", "train_steps",  # the length the checkpoint records is the one resumed
     "memory_budget_mb",  # re-materialization only: every choice gives the same step
-    "goal_steps", "resume", "max_steps",  # run options
+    "goal_steps", "resume", "stop_at_step",  # run options
     "precision",  # the weights stay float32 whatever the compute dtype
 })
 
@@ -256,7 +255,7 @@ def optimization(config: AmoebaNetConfig, pipe: gp.DistributedGPipe, state: dict
                        cap=config.epochs * updates_per_epoch, cap_name=f"epochs={config.epochs}",
                        warmup_steps=config.warmup_epochs * updates_per_epoch,
                        step=state.get("step", 0), saved_steps=state.get("train_steps", 0),
-                       goal_steps=config.goal_steps)
+                       goal_steps=config.goal_steps, stop_at_step=config.stop_at_step)
     return optimizer, length
 
 
@@ -268,22 +267,6 @@ def make_scheduler(config: AmoebaNetConfig, optimizer: torch.optim.Optimizer,
     scheduler, _ = create_scheduler_v2(
         optimizer, **scheduler_kwargs(config, updates_per_epoch, train_steps))
     return scheduler
-
-
-def rank0_stop(config: AmoebaNetConfig, step: int, length: RunLength, *, started: float,
-               reserve_s: float) -> str:
-    """Why rank 0 ends the run before the next step ("" to go on): the run's length,
-    ``max_steps``, or the clock (``max_minutes``, keeping ``reserve_s`` for the final
-    evaluation)."""
-    if step >= length.steps:
-        return length.stop_reason
-    if config.max_steps and step >= config.max_steps:
-        return f"max_steps={config.max_steps}"
-    if config.max_minutes:
-        left = 60 * config.max_minutes - (time.monotonic() - started)
-        if step > 0 and left < reserve_s:
-            return f"max_minutes={config.max_minutes:g}"
-    return ""
 
 
 def train_step(pipe: gp.DistributedGPipe, run: Run, optimizer: torch.optim.Optimizer,
@@ -373,11 +356,11 @@ def epoch_evaluation(loop: TrainingLoop, evaluation: Evaluation, config: AmoebaN
 def report_training(config: AmoebaNetConfig, run: Run, *, step: int, updates_per_epoch: int,
                     images_seen: int, train_seconds: float, stop_reason: str,
                     length: RunLength, path: Path) -> None:
-    """Rank 0's lines after the loop: what was trained, and a warning if the hard stop cut it."""
-    if stop_reason.startswith("max_minutes"):
-        run.say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step "
-                f"{step} of {length.steps}: its learning-rate schedule did not end, so this is "
-                "not the budgeted run's result (budget_minutes fits a run to a time instead)")
+    """Rank 0's lines after the loop: what was trained, and a note if ``stop_at_step`` ended
+    this invocation before the run's end."""
+    if stop_reason.startswith("stop_at_step"):
+        run.say(f"stopped at step {step} of {length.steps} ({stop_reason}): the learning-rate "
+                "schedule has not ended; continue with --resume")
     run.say(f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} "
             f"images) in {train_seconds / 60:.1f} min, "
             f"{images_seen / max(train_seconds, 1e-9):.0f} images/s; stopped by "
@@ -498,11 +481,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                         step=step, started=started, checkpoint_state=checkpoint_state)
 
     # --- training loop ----------------------------------------------------------------------
-    def bar_total() -> int:
-        return min(length.steps, config.max_steps) if config.max_steps else length.steps
-
-    bar = loop.progress_bar(total=bar_total(), initial=step)
-    run_images_per_second = images_seen / train_seconds if train_seconds else 0.0
+    bar = loop.progress_bar(total=length.bar_total, initial=step)
     stop_reason = ""
     target_like = targets_like(config)
     while epoch < config.epochs and not stop_reason:
@@ -512,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             batches = train_batches(config, epoch, skip=batch_in_epoch, replica=run.replica,
                                     num_replicas=run.num_replicas)
         while True:
-            # stop: max_steps, or rank 0's clock (keeping time for the final evaluation)
+            # stop: the run's length or stop_at_step, as rank 0 decides
             tick = time.monotonic()  # training time counts loading, not checkpoints or evals
             choice = loop.budget(step, reserve_s=lambda per_step: evaluation.reserve_s(
                 images_per_step / per_step))
@@ -520,11 +499,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 scheduler = make_scheduler(config, optimizer, updates_per_epoch,
                                            choice.train_steps)
                 loop.announce(choice.explain(f" ({choice.train_steps / updates_per_epoch:.2f} "
-                                             "epochs)"), total=bar_total())
+                                             "epochs)"), total=length.bar_total)
             batch = next(batches, None) if batches is not None else None
             if run.master:
-                stop_reason = rank0_stop(config, step, length, started=started,
-                                         reserve_s=evaluation.reserve_s(run_images_per_second))
+                stop_reason = length.stop(step)
             # the epoch ends for everyone as soon as one replica's shards run dry; a signal on
             # any rank stops every rank at this step, with a checkpoint
             vote = loop.vote(step, stop=bool(stop_reason),
@@ -546,7 +524,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
             batch_in_epoch += 1
             images_seen += images_per_step
             train_seconds += time.monotonic() - tick
-            run_images_per_second = images_seen / max(train_seconds, 1e-9)
 
             # log: every step to log.jsonl; every log_every steps the bar and wandb
             # divergence: a non-finite loss, or one beyond max_loss_factor x ln(num_classes)

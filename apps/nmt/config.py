@@ -6,10 +6,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from apps.budget import HOW_LONG, RETIRED_LENGTH_KEYS
 from apps.config import ConfigError, load_config, parse_overrides
 from apps.harness.checkpoints import KEEP_CHECKPOINTS
 from apps.harness.pipeline import check_pipeline_options
@@ -27,6 +29,14 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass
 class NMTConfig:
     """Everything a run of ``apps/nmt`` needs; the defaults are the CPU training default."""
+
+    # refused with what replaces them (apps.config): the run's length is train_steps or
+    # budget_minutes (apps/budget.py)
+    RETIRED: ClassVar[dict[str, str]] = {
+        **RETIRED_LENGTH_KEYS,
+        "max_train_tokens": (f"{HOW_LONG}; for a token budget give --train_steps=tokens/T, T "
+                             "the tokens per step a run's summary.json reports (tokens / steps)"),
+    }
 
     # --- model: T(L, H, A) ---
     num_layers: int = 3  # L: encoder layers, and as many decoder layers (128 layers = L=64)
@@ -104,18 +114,17 @@ class NMTConfig:
     adam_beta2: float = 0.98  # Adam second-moment decay (0.98 as for Transformers)
     clip_norm: float = 1.0  # global gradient-norm clip; 0 disables
     weight_decay: float = 0.0  # decoupled weight decay
-    # the run's length: train_steps if given; else, with budget_minutes, fitted to that time from
-    # the speed of the first steps (apps/budget.py); else max_steps. Or max_train_tokens (source
-    # + target tokens, no padding) if set and reached first
+    # the run's length (apps/budget.py): train_steps if given; else, with budget_minutes, fitted
+    # to that time from the speed of the first steps; else max_steps
     max_steps: int = 8000  # the most optimizer steps (the length without train_steps or a budget)
     train_steps: int = 0  # the run's length in steps, and the lr schedule's; 0 = as above
     budget_minutes: float = 28.0  # the whole run's time (corpus, training, final BLEU) train_steps is fitted to; 0 = none
     # the steps at which this config's quality goal (README) was measured to hold; a machine
     # that affords fewer is told so when the budget is fixed (apps/budget.py); 0 = no goal stated
     goal_steps: int = 2134  # the default beat copy-the-source in every bucket at 2,134 steps
-    max_train_tokens: int = 0  # stop once this many tokens were trained on; 0 = no token budget
-    # a hard stop, not a budget: it cuts the lr schedule, and a run cut by it says so
-    max_minutes: float = 0.0  # stop after this much wall-clock training time; 0 = no limit
+    # a run option: stop this invocation after this step (checkpoint and final evaluation), the
+    # length and schedule unchanged; --resume continues (0 = at the run's end)
+    stop_at_step: int = 0
     seed: int = 0  # seeds data order, init and dropout
 
     # --- runtime ---
@@ -169,8 +178,8 @@ class NMTConfig:
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
         non_negative = (
-            "warmup_steps clip_norm weight_decay max_minutes eval_every ckpt_every keep_checkpoints "
-            "max_train_tokens max_loss_factor length_penalty train_steps budget_minutes goal_steps "
+            "warmup_steps clip_norm weight_decay eval_every ckpt_every keep_checkpoints "
+            "max_loss_factor length_penalty train_steps budget_minutes goal_steps stop_at_step "
             "memory_budget_mb"
         )
         for name in (*non_negative.split(), "seed", "corpus_seed"):

@@ -71,7 +71,7 @@ from apps.planning import describe_budget_plan, plan_for_budget
 # optimisation, seed) must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset({
     "train_steps", "budget_minutes",  # the length the checkpoint records is the one resumed
-    "goal_steps", "max_steps", "max_train_tokens", "max_minutes", "out_dir", "log_every", "eval_every",
+    "goal_steps", "max_steps", "stop_at_step", "out_dir", "log_every", "eval_every",
     "ckpt_every", "keep_checkpoints", "wandb_project", "wandb_mode", "beam_size",
     "length_penalty", "max_decode_len", "eval_max_sentences", "eval_batch_tokens", "bucket_thresholds", "device", "precision",
     "num_threads", "resume", "timeout_s", "max_loss_factor", "pin_cpus", "hold_memory",
@@ -233,37 +233,16 @@ def final_reserve_s(config: NMTConfig, seconds_per_step: float) -> float:
     return 1.25 * steps * seconds_per_step + 30.0
 
 
-def budget_reached(config: NMTConfig, step: int, tokens_seen: int,
-                   length: RunLength) -> str | None:
-    """Which training budget ends the run now: its length in steps (``length``: given, fitted
-    to the time, or ``max_steps``) or ``max_train_tokens`` (the hard stop ``max_minutes`` is
-    checked by :func:`rank0_stop`)."""
-    if step >= length.steps:
-        return length.stop_reason
-    if config.max_train_tokens and tokens_seen >= config.max_train_tokens:
-        return "max_train_tokens"
-    return None
-
-
-def rank0_stop(config: NMTConfig, step: int, tokens_seen: int, length: RunLength, *,
-               loop_start: float) -> str | None:
-    """Why rank 0 ends the run before the next step (None to go on): a budget
-    (:func:`budget_reached`) or, as a safety, ``max_minutes`` of training."""
-    stopped_by = budget_reached(config, step, tokens_seen, length)
-    if stopped_by is None and config.max_minutes and (
-            time.monotonic() - loop_start > 60 * config.max_minutes):
-        stopped_by = "max_minutes"
-    return stopped_by
-
-
 def run_length(config: NMTConfig, state: dict[str, Any], step: int) -> RunLength:
     """The run's length (apps/budget.py): given, fitted to budget_minutes after the first steps
-    (inside warm-up, which does not depend on it), or max_steps; a linear schedule spans it."""
+    (inside warm-up, which does not depend on it), or max_steps; a linear schedule spans it.
+    ``stop_at_step`` ends this invocation earlier, the length unchanged."""
     return RunLength(
         train_steps=config.train_steps, budget_minutes=config.budget_minutes,
         cap=config.max_steps, cap_name="max_steps", step=step,
         warmup_steps=config.warmup_steps if config.lr_schedule == "linear" else math.inf,
-        saved_steps=state.get("train_steps", 0), goal_steps=config.goal_steps)
+        saved_steps=state.get("train_steps", 0), goal_steps=config.goal_steps,
+        stop_at_step=config.stop_at_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,13 +430,11 @@ def periodic_eval(loop: TrainingLoop, pipe: gp.DistributedGPipe, config: NMTConf
 def report_training(config: NMTConfig, run: Run, *, step: int, tokens_seen: int,
                     train_seconds: float, stopped_by: str | None, length: RunLength,
                     path: Path) -> None:
-    """Rank 0's lines after the loop: what was trained, and a warning if the hard stop cut it."""
-    if stopped_by == "max_minutes":
-        run.say(f"warning: the hard stop max_minutes={config.max_minutes:g} cut the run at step "
-                f"{step}, before its budget ({length.steps} steps, max_train_tokens="
-                f"{config.max_train_tokens}): its learning-rate schedule did not end, so its "
-                "results are not those of the budgeted run (budget_minutes fits a run to a time "
-                "instead)")
+    """Rank 0's lines after the loop: what was trained, and a note if ``stop_at_step`` ended
+    this invocation before the run's end."""
+    if stopped_by and stopped_by.startswith("stop_at_step"):
+        run.say(f"stopped at step {step} of {length.steps} ({stopped_by}): the learning-rate "
+                f"schedule has not ended; continue with --resume")
     run.say(f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_seconds / 60:.1f} "
             f"min ({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no "
             f"padding); checkpoint {path}")
@@ -471,8 +448,8 @@ def summarize(report: dict[str, Any], *, step: int, tokens_seen: int, train_seco
     return {
         "steps": step,
         "tokens": tokens_seen,
-        # what ended the run: a budget (max_steps, max_train_tokens) or the wall-clock
-        # safety cap (max_minutes: the run was cut short of its budget)
+        # what ended the run: its length (train_steps=N, or max_steps), or stop_at_step=N
+        # (this invocation stopped before the run's end; --resume continues)
         "stopped_by": stopped_by,
         # the run's length and how it was chosen (apps/budget.py)
         "budget": length.choice.to_json() if length.choice is not None else None,
@@ -544,21 +521,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
     loop = TrainingLoop(config, run, pipe, optimizer=optimizer, balance=balance, length=length,
                         step=step, started=started, checkpoint_state=checkpoint_state)
-    # --- training loop: the bar counts towards the budget that ends the run ------------------
-    by_tokens = bool(config.max_train_tokens)
-    bar = loop.progress_bar(total=config.max_train_tokens if by_tokens else length.steps,
-                            initial=tokens_seen if by_tokens else step,
-                            unit="tok" if by_tokens else "step", unit_scale=by_tokens)
+    # --- training loop: the bar counts the steps of this invocation ---------------------------
+    bar = loop.progress_bar(total=length.bar_total, initial=step, unit="step")
     loop_start = time.monotonic() - train_seconds
     stopped_by = None
     while True:
-        # stop: at the step or token budget, or (a safety) at max_minutes, as rank 0 decides;
-        # or at a signal on any rank (all ranks stop at the same step)
+        # stop: at the run's length or stop_at_step, as rank 0 decides; or at a signal on any
+        # rank (all ranks stop at the same step)
         choice = loop.budget(step, reserve_s=lambda per_step: final_reserve_s(config, per_step))
         if choice is not None:  # the run's length is fixed; the lr schedule spans it
-            loop.announce(choice.explain(), total=None if by_tokens else choice.train_steps)
+            loop.announce(choice.explain(), total=length.bar_total)
         if run.master:
-            stopped_by = rank0_stop(config, step, tokens_seen, length, loop_start=loop_start)
+            stopped_by = length.stop(step) or None
         if loop.vote(step, stop=stopped_by is not None):
             break
 
@@ -584,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                    factor=config.max_loss_factor,
                    fix=f"lower lr={config.lr} or raise warmup_steps")
         loop.window.add(loss_value, step_tokens)
-        bar.update(step_tokens if by_tokens else 1)
+        bar.update(1)
         if every(step, config.log_every):
             log_progress(loop, step=step, lr=lr, tokens_seen=tokens_seen,
                          train_seconds=train_seconds, grad_norm=grad_norm, stats=stats)

@@ -333,7 +333,7 @@ def test_training_on_decoded_shards_resumes_exactly(npy_shards: Path, tmp_path: 
     changes = {"color_jitter": 0.3, "crop_scale_min": 0.5}
     output = torchrun(tiny_args(npy_shards, straight, **changes))
     assert "test top-1:" in output
-    torchrun(tiny_args(npy_shards, halves, max_steps=7, **changes))
+    torchrun(tiny_args(npy_shards, halves, stop_at_step=7, **changes))
     torchrun(tiny_args(npy_shards, halves, **changes) + ["--resume"])
     assert losses(halves) == losses(straight)
     assert len(losses(straight)) == 2 * TRAIN_IMAGES // 8

@@ -113,7 +113,7 @@ def test_train_checkpoint_exact_resume_and_top1(shards: Path, tmp_path: Path) ->
 
     # 7 steps (across the epoch boundary), stop, resume to the end: the same losses and the
     # same weights and BatchNorm statistics, bit for bit
-    torchrun(tiny_args(shards, halves, max_steps=7))
+    torchrun(tiny_args(shards, halves, stop_at_step=7))
     assert latest(halves).name == "step-0000007"
     torchrun(tiny_args(shards, halves) + ["--resume"])
     assert losses(halves) == losses(straight)
@@ -320,8 +320,8 @@ def test_unknown_config_key_is_an_error(shards: Path, tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['lerning_rate'\]"):
         train.main(["--lerning_rate=1"])  # stops before any process group exists
-    with pytest.raises(ConfigError, match="max_steps=-1 must be >= 0"):
-        train.main(["--max_steps=-1"])
+    with pytest.raises(ConfigError, match="stop_at_step=-1 must be >= 0"):
+        train.main(["--stop_at_step=-1"])
     checkpoint = fake_checkpoint(tmp_path / "ckpt", shards)
     assert amoebanet_evaluate.main(["--ckpt", str(checkpoint), "--lerning_rate=1"]) == 2
     assert "unknown config key(s) ['lerning_rate']" in capsys.readouterr().err

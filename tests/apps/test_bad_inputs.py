@@ -359,7 +359,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
     out_dir = tmp_path / "run"
     args = tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2, timeout_s=20)
     log = tmp_path / "first.txt"
-    process = launch([*args, "--max_steps=2"], log)
+    process = launch([*args, "--stop_at_step=2"], log)
     assert (output := finish(process, log)) and process.returncode == 0, output[-3000:]
     previous = out_dir / "step-0000002"
     limit = min(p.stat().st_size for p in previous.glob("train-state-*.pt")) // 2
@@ -368,7 +368,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
     resource_limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource_limits[1]))
     try:
-        process = launch([*args, "--resume", "--max_steps=4"], log)
+        process = launch([*args, "--resume", "--stop_at_step=4"], log)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, resource_limits)
     began = time.monotonic()
@@ -383,7 +383,7 @@ def test_a_checkpoint_that_cannot_be_written_says_which_one_is_intact(
     assert (f"; the previous checkpoint {previous} is intact and latest still names it; free "
             "space (or fix out_dir) and continue with --resume: `python -m torch.distributed.run "
             "--standalone --nproc-per-node 2 -m apps.amoebanet.train ") in line, line
-    assert line.endswith(" --max_steps=4 --resume`"), line
+    assert line.endswith(" --stop_at_step=4 --resume`"), line
     assert (out_dir / "latest").read_text() == "step-0000002\n"
     gp.verify_checkpoint(previous)
     assert "apps/harness/checkpoints.py" not in output and "hangs" not in output, output[-3000:]
@@ -399,13 +399,13 @@ def test_resume_survives_a_garbage_latest_and_a_torn_log(shards: Path, tmp_path:
     out_dir = tmp_path / "run"
     args = tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2)
     log = tmp_path / "first.txt"
-    process = launch([*args, "--max_steps=4"], log)
+    process = launch([*args, "--stop_at_step=4"], log)
     assert (output := finish(process, log)) and process.returncode == 0, output[-3000:]
     (out_dir / "latest").write_bytes(b"\xff\xfegarbage")
     text = (out_dir / "log.jsonl").read_text()
     (out_dir / "log.jsonl").write_text(text[: len(text) - 9])  # the last record cut off
     log = tmp_path / "second.txt"
-    process = launch([*args, "--resume", "--max_steps=5"], log)
+    process = launch([*args, "--resume", "--stop_at_step=5"], log)
     output = finish(process, log, timeout_s=120)
     assert process.returncode == 0, output[-3000:]
     assert (f"warning: {out_dir / 'latest'} holds 9 bytes that are not a step folder name (not "

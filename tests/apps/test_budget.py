@@ -86,7 +86,7 @@ def test_the_linear_schedule_ends_with_the_run() -> None:
 def test_nmt_fits_its_length_to_the_budget_and_reruns_exactly(
     corpus: Path, tmp_path: Path
 ) -> None:
-    common = {"lr_schedule": "linear", "warmup_steps": 20, "max_minutes": 0, "log_every": 1}
+    common = {"lr_schedule": "linear", "warmup_steps": 20, "log_every": 1}
     fitted = tmp_path / "fitted"
     output = torchrun(tiny_args(corpus, fitted, budget_minutes=1.2, max_steps=100_000, **common))
     summary = json.loads((fitted / "summary.json").read_text())
@@ -131,3 +131,36 @@ def test_amoebanet_s_cosine_spans_the_chosen_steps() -> None:
     assert short[:20] == full[:20]  # warm-up (20 steps) does not depend on the length
     assert short[-1] == pytest.approx(config.min_lr, abs=2e-6)  # annealed at the chosen end
     assert full[339] > 100 * config.min_lr  # where the 10-epoch schedule still runs high
+
+
+def test_stop_at_step_ends_an_invocation_not_the_run() -> None:
+    length = budget.RunLength(train_steps=10, budget_minutes=0, cap=100, cap_name="max_steps",
+                              warmup_steps=2, stop_at_step=4)
+    assert (length.steps, length.bar_total) == (10, 4)
+    assert [length.stop(step) for step in (3, 4, 10)] == ["", "stop_at_step=4", "train_steps=10"]
+    assert length.recorded_steps == 10  # the checkpoint records the run's length, not the stop
+    beyond = budget.RunLength(train_steps=10, budget_minutes=0, cap=100, cap_name="max_steps",
+                              warmup_steps=2, stop_at_step=50)
+    assert beyond.bar_total == 10 and beyond.stop(10) == "train_steps=10"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_nmt_stop_at_step_then_resume_is_the_run_that_never_stopped(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """A linear schedule over 8 steps: stopped at 4 and resumed, every step's loss and learning
+    rate equal the straight run's (the stop did not shorten the schedule)."""
+    common = {"lr_schedule": "linear", "warmup_steps": 2, "train_steps": 8, "max_steps": 100,
+              "log_every": 1}
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    torchrun(tiny_args(corpus, straight, **common))
+    output = torchrun(tiny_args(corpus, halves, stop_at_step=4, **common))
+    assert "stopped at step 4 of 8 (stop_at_step=4)" in output, output[-2000:]
+    assert json.loads((halves / "summary.json").read_text())["stopped_by"] == "stop_at_step=4"
+    torchrun(tiny_args(corpus, halves, resume="true", **common))
+    records = [[(r["step"], r["loss"], r["lr"]) for r in map(json.loads, lines)]
+               for lines in ((d / "log.jsonl").read_text().splitlines()
+                             for d in (straight, halves))]
+    assert len(records[0]) == 8 and records[1] == records[0]
+    assert records[0][-1][2] == pytest.approx(3e-3 / (8 - 2 + 1))  # the schedule's last rate

@@ -97,7 +97,7 @@ def worker_pids(agent: int) -> dict[int, int]:
 
 
 def long_run(shards: Path, out_dir: Path, **changes: Any) -> list[str]:
-    settings: dict[str, Any] = {"epochs": 100, "max_minutes": 0, "mixup": 0.0, "num_workers": 0}
+    settings: dict[str, Any] = {"epochs": 100, "mixup": 0.0, "num_workers": 0}
     settings.update(changes)
     return tiny_args(shards, out_dir, **settings)
 
@@ -203,7 +203,7 @@ def test_sigterm_saves_a_checkpoint_at_one_step_and_resume_continues(
         state = checkpoints.load_train_state(checkpoint, rank, 2)
         assert state["step"] == step
     resumed = subprocess_output(long_run(shards, out_dir, resume=True), tmp_path / "resume.txt",
-                                max_steps=step + 2)
+                                stop_at_step=step + 2)
     assert f"resumed from {checkpoint} at step {step}" in resumed
 
 
@@ -269,12 +269,12 @@ def test_rank_1_names_a_stopped_rank_0_on_a_line_of_its_own(
 def test_resume_falls_back_past_a_damaged_checkpoint(shards: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     subprocess_output(tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2),
-                      tmp_path / "first.txt", max_steps=4)
+                      tmp_path / "first.txt", stop_at_step=4)
     assert sorted(p.name for p in out_dir.glob("step-*")) == ["step-0000002", "step-0000004"]
     state = out_dir / "step-0000004" / "train-state-rank001.pt"
     state.write_bytes(state.read_bytes()[:100])  # a torn write, as after a crash
     output = subprocess_output(tiny_args(shards, out_dir, mixup=0.0, num_workers=0, ckpt_every=2,
-                                         resume=True), tmp_path / "second.txt", max_steps=5)
+                                         resume=True), tmp_path / "second.txt", stop_at_step=5)
     assert f"warning: checkpoint file {state} is damaged" in output
     assert "resuming from the newest intact checkpoint" in output
     assert "resumed from" in output and "step-0000002 at step 2" in output
@@ -287,7 +287,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(shards: Path, tmp_path: Pat
 def test_nmt_sigint_checkpoints_and_a_hung_rank_is_named(corpus: Path, tmp_path: Path) -> None:
     # Ctrl-C: every rank stops at the same step with a checkpoint of it
     out_dir, log = tmp_path / "run", tmp_path / "out.txt"
-    args = nmt_args(corpus, out_dir, max_steps=10_000, max_minutes=0, log_every=1, timeout_s=4)
+    args = nmt_args(corpus, out_dir, max_steps=10_000, log_every=1, timeout_s=4)
     process = launch(args, log, module="apps.nmt.train")
     wait_for(lambda: logged_steps(out_dir) >= 2, process, log, timeout_s=90)
     process.send_signal(signal.SIGINT)
@@ -363,7 +363,7 @@ def test_a_lost_node_stops_the_other_with_a_checkpoint(shards: Path, tmp_path: P
 @pytest.mark.distributed
 def test_two_nodes_train_exactly_as_one(shards: Path, tmp_path: Path) -> None:
     def args(out_dir: Path) -> list[str]:
-        return tiny_args(shards, out_dir, balance="5,4", epochs=1) + ["--max_steps=3"]
+        return tiny_args(shards, out_dir, balance="5,4", epochs=1) + ["--stop_at_step=3"]
 
     launch_helpers.torchrun("apps.amoebanet.train", args(tmp_path / "one"), nproc=2)
     port = free_port()

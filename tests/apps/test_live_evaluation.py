@@ -6,9 +6,9 @@ take the run's newest one with a warning (``gpipe_core.storage.pin_checkpoint``,
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from apps.harness import checkpoints
 from apps.harness.checkpoints import publish_checkpoint, resolve_checkpoint, unpin
 from gpipe_core.storage import CheckpointGoneError, pin_checkpoint, remove_checkpoint
 from tests.apps import test_nmt_train as nmt_tests
+from tests.apps.test_failures import finish, launch, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -141,29 +142,24 @@ def test_nmt_evaluate_scores_a_run_that_checkpoints_every_step(corpus: Path,
 
     out_dir = tmp_path / "run"
     args = nmt_tests.tiny_args(corpus, out_dir, max_steps=400, ckpt_every=1,
-                               keep_checkpoints=1, log_every=1, max_minutes=2)
-    result: dict[str, object] = {}
-
-    def train() -> None:
-        try:
-            result["output"] = nmt_tests.torchrun(args, timeout_s=240)
-        except Exception as error:  # noqa: BLE001 - reported by the test below
-            result["error"] = error
-
-    trainer = threading.Thread(target=train)
-    trainer.start()
+                               keep_checkpoints=1, log_every=1)
+    log = tmp_path / "train.txt"
+    trainer = launch(args, log, module="apps.nmt.train")
     scored: list[str] = []
     try:
+        wait_for(lambda: (out_dir / "latest").is_file(), trainer, log, timeout_s=200)
         deadline = time.monotonic() + 200
-        while not (out_dir / "latest").is_file() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        while trainer.is_alive() and len(scored) < 3 and time.monotonic() < deadline:
+        while trainer.poll() is None and len(scored) < 3 and time.monotonic() < deadline:
             report = evaluate_checkpoint(out_dir, split="dev", beam_size=1, max_per_lang=1,
                                          out=tmp_path / f"eval{len(scored)}")
             scored.append(str(report["checkpoint"]))
-        trainer_was_running = trainer.is_alive()
+        trainer_was_running = trainer.poll() is None
     finally:
-        trainer.join(timeout=300)
-    assert "error" not in result, result.get("error")
-    assert len(scored) == 3 and trainer_was_running, scored
+        trainer.send_signal(signal.SIGTERM)  # torchrun forwards it: a checkpoint, then exit
+        output = finish(trainer, log, timeout_s=120)
+    # the workers checkpoint and exit (torchrun's own agent prints a traceback for the signal)
+    ended = ("interrupted (SIGTERM) at step" in output  # or it had ended its 400 steps first
+             or "trained 400 steps" in output)
+    assert ended and "error:" not in output, output[-3000:]
+    assert len(scored) == 3 and trainer_was_running, (scored, output[-3000:])
     assert len(set(scored)) > 1  # the trainer moved on between evaluations

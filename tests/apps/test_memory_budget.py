@@ -75,7 +75,7 @@ def test_amoebanet_trains_with_the_planned_choice(shards: Path, tmp_path: Path) 
     from apps.amoebanet.plan import app_model
     from tests.apps.test_amoebanet_train import tiny_args, torchrun
 
-    args = tiny_args(shards, tmp_path / "run", max_steps=2)
+    args = tiny_args(shards, tmp_path / "run", stop_at_step=2)
     config = load_train_config(args)
     peak = peaks(app_model(config), config.chunks)
     budget = round((peak["always"] + peak["never"]) / 2, 3)
@@ -84,4 +84,4 @@ def test_amoebanet_trains_with_the_planned_choice(shards: Path, tmp_path: Path) 
     output = torchrun([*args, f"--memory_budget_mb={budget}"])
     assert f"gp.plan chose checkpoint={chosen.checkpoint} balance={chosen.balance}" in output
     assert "predicted per-rank peak" in output
-    assert "test top-1" in output or "stopped" in output or "max_steps" in output, output[-2000:]
+    assert "test top-1" in output or "stopped" in output or "stop_at_step" in output, output[-2000:]

@@ -52,7 +52,7 @@ def test_nmt_trains_and_resumes_exactly(corpus: Path, tmp_path: Path, precision:
 def test_amoebanet_trains_and_resumes_exactly_in_bf16(shards: Path, tmp_path: Path) -> None:
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     amoebanet.torchrun(amoebanet.tiny_args(shards, straight, precision="bf16"))
-    amoebanet.torchrun(amoebanet.tiny_args(shards, halves, precision="bf16", max_steps=7))
+    amoebanet.torchrun(amoebanet.tiny_args(shards, halves, precision="bf16", stop_at_step=7))
     amoebanet.torchrun(amoebanet.tiny_args(shards, halves, precision="bf16") + ["--resume"])
     losses = amoebanet.losses(straight)
     assert amoebanet.losses(halves) == losses

@@ -262,7 +262,7 @@ def test_depth_width_configs_have_equal_parameters_and_the_same_init() -> None:
     assert (wide.num_layers, wide.ffn_dim, wide.num_heads) == (6, 512, 4)
     assert deep.scaled_init is wide.scaled_init is False  # the depth scaling is off for both
     same = ("d_model", "head_dim", "vocab_size", "data_dir", "languages", "max_tokens", "lr",
-            "warmup_steps", "max_train_tokens", "ckpt_every", "dropout", "label_smoothing")
+            "warmup_steps", "max_steps", "ckpt_every", "dropout", "label_smoothing")
     assert all(getattr(deep, k) == getattr(wide, k) for k in same)
     with pytest.raises(SystemExit, match="differ by"):
         reproduce_depth_width.check_equal_parameters(

@@ -174,13 +174,46 @@ def test_integers_are_whole_numbers_never_truncated(value: Any, expected: int | 
         assert _coerce("max_steps", value, int) == expected
 
 
+# The settings of a run's length that are no longer settings (issue 41.5), per app, with what the
+# refusal must name instead. At 0 (their old "off") they load, so a config saved before does.
+RETIRED = {
+    "nmt": {"max_minutes": ("--budget_minutes", "--stop_at_step"),
+            "max_train_tokens": ("--train_steps",)},
+    "amoebanet": {"max_minutes": ("--budget_minutes", "--stop_at_step"),
+                  "max_steps": ("--stop_at_step", "--train_steps")},
+}
+
+
+@pytest.mark.parametrize("app, key", [(app, key) for app, keys in RETIRED.items() for key in keys])
+def test_a_retired_length_setting_is_refused_naming_what_replaces_it(
+        app: str, key: str, tmp_path: Path, shards: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from apps.amoebanet.config import load_train_config
+    from apps.nmt.config import load_nmt_config
+
+    load = load_nmt_config if app == "nmt" else load_train_config
+    base = ["--config=tiny"] if app == "nmt" else ["--config=tiny_test"]
+    assert load([*base, f"--{key}=0"]) == load(base)  # the old "off" is no setting at all
+    saved = tmp_path / "config.yaml"
+    saved.write_text(f"{key}: 5\n")
+    for argv in ([*base, f"--{key}=5"], [f"--config={saved}"]):
+        with pytest.raises(ConfigError, match=rf"^{key}=5 in .* is no longer a setting: ") as error:
+            load(argv)
+        assert all(new in str(error.value) for new in RETIRED[app][key]), error.value
+    # under torchrun's environment: one line, from rank 0 only, exit 2
+    main = nmt_train.main if app == "nmt" else amoebanet_train.main
+    data = tmp_path / "corpus" if app == "nmt" else shards
+    check_rows([(key, "5")], main, [*base, f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}",
+                                    "--timeout_s=5"], capsys, monkeypatch)
+
+
 def test_the_issue_s_numbers_are_refused_with_their_fix() -> None:
     from apps.amoebanet.config import load_train_config
     from apps.nmt.config import load_nmt_config
 
-    with pytest.raises(ConfigError, match=r"^max_steps='1e-3' is not a whole number; give an "
+    with pytest.raises(ConfigError, match=r"^stop_at_step='1e-3' is not a whole number; give an "
                                           r"integer such as 1;"):
-        load_train_config(["--config=tiny_test", "--max_steps=1e-3"])
+        load_train_config(["--config=tiny_test", "--stop_at_step=1e-3"])
     with pytest.raises(ConfigError, match=r"^num_layers='2.5e0' is not a whole number"):
         load_nmt_config(["--config=tiny", "--num_layers=2.5e0"])
     with pytest.raises(ConfigError, match=r"^timeout_s=0.001 is below the floor of 1 s"):
@@ -250,7 +283,7 @@ def test_an_inference_flag_with_a_bad_value_is_one_line(
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("option", ["--balance=[]", "--num_stages=3", "--timeout_s=0.001",
-                                    "--max_steps=1e-3"])
+                                    "--stop_at_step=1e-3"])
 def test_amoebanet_bad_options_under_torchrun_are_one_line(option: str, shards: Path,
                                                            tmp_path: Path) -> None:
     log = tmp_path / "out.txt"
