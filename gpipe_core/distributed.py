@@ -457,10 +457,11 @@ class DistributedGPipe(StepCounter, nn.Module):
 
     @property
     def timeline(self) -> list[TimelineEvent]:
-        """This rank's actions as they ran (over all of its stages), in time order."""
+        """This rank's actions as they ran (over all of its stages), in time order;
+        ``pipe.timeline.clear()`` forgets them on every stage of this rank."""
         if len(self.runtimes) == 1:
             return self.runtime.timeline
-        return sorted((e for r in self.runtimes for e in r.timeline), key=lambda e: e.start)
+        return _MergedTimeline([r.timeline for r in self.runtimes])
 
     def profile(self, *, transfer: float | Sequence[float] = 0.0) -> StageProfile:
         """The costs of every stage's actions as this pipeline ran them, from the steps in the
@@ -662,3 +663,18 @@ def _no_loss_fn(outputs: Any, targets: Any) -> Tensor:
 
 def _to_device(batch: Any, device: torch.device) -> Any:
     return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+class _MergedTimeline(list[TimelineEvent]):
+    """The events of several stages' timelines (a rank's virtual stages) in time order; its
+    :meth:`clear` clears those timelines, so that ``pipe.timeline.clear()`` does what it says
+    whatever the stages per rank."""
+
+    def __init__(self, sources: list[list[TimelineEvent]]) -> None:
+        super().__init__(sorted((e for source in sources for e in source), key=lambda e: e.start))
+        self._sources = sources
+
+    def clear(self) -> None:
+        for source in self._sources:
+            source.clear()
+        super().clear()

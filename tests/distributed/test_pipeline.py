@@ -390,6 +390,27 @@ def test_global_grad_clipping_and_timeline(tmp_path: Path, schedule: str, balanc
     assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
+def run_two_steps_clearing_between(rank: int, world: int) -> tuple[list[str], list[str]]:
+    pipe = gp.DistributedGPipe(build(), [2, 2, 2, 2], chunks=4, loss_fn=loss_fn, record=True,
+                               schedule="zb_v")
+    (x, mask), y = make_batch(0)
+    pipe.step((x, mask), y)
+    first = [e.action for e in pipe.timeline]
+    pipe.timeline.clear()
+    assert pipe.timeline == []
+    pipe.zero_grad()
+    pipe.step((x, mask), y)
+    return first, [e.action for e in pipe.timeline]
+
+
+def test_clearing_the_timeline_of_a_rank_with_two_stages_forgets_both(tmp_path: Path) -> None:
+    # pipe.timeline merges a rank's stages; its clear() must reach each stage's own timeline
+    # (it once cleared a merged copy only, so a second step's timeline held the first's too)
+    expected = gp.schedule.get_schedule("zb_v", 4, 4, num_ranks=2)
+    for rank, (first, second) in enumerate(spawn(run_two_steps_clearing_between, 2, tmp_path)):
+        assert first == second == [str(a) for a in expected.actions[rank]]
+
+
 def run_profile(rank: int, world: int, schedule: str, checkpoint: str) -> Any:
     torch.manual_seed(0)
     pipe = gp.DistributedGPipe(build(), [4, 4], chunks=4, loss_fn=loss_fn, record=True,
