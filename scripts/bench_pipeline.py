@@ -17,7 +17,16 @@ K*M/(M+K-1)) and against perfect parallelism (the same divided by K: zero-bubble
 beat GPipe's ideal, never this one), and each rank's peak resident memory during a step, with
 the part of it the step itself added, and the peak of the step's live tensors (exact, unlike
 resident memory). Prints, for each of our schedules against its torch counterpart, in how
-many of the paired rounds ours was faster. Writes the result (every row with its per-round
+many of the paired rounds ours was faster.
+
+Each of our steps is also held against its **bubble-free bound**, measured in the same step:
+the busiest rank's own compute (the sum, over the actions it ran, of each action's time from
+its input's arrival to its end: F, B or I and W, re-materialization inside B, and what an
+action does to post its message), which is the step a pipeline with no bubble and no idle
+time could take on these ranks. Per row: ``bound_seconds`` (median over the timed steps) and
+``bound_efficiency`` (median of bound / step time, step by step), and per rank the compute,
+the wait inside actions for a neighbour's message, and the rest of the step (outside any
+action: the transport's sends and receives, the loss, Python between actions). Writes the result (every row with its per-round
 samples, and ``scripts.harness.provenance``: commit, torch, UTC time, machine, load before and
 after) to ``--json`` (default ``docs/reproduction/bench_pipeline.json``, the file the pages
 cite) and to ``--out`` with a PNG of speedup against M.
@@ -100,7 +109,10 @@ def data(args: argparse.Namespace) -> tuple[Tensor, Tensor]:
 # Model families beside the MLP blocks (issue 26: "faster" must hold on more than one):
 # torch's nn.TransformerEncoderLayer, the NMT app's encoder and decoder layers and AmoebaNet-D
 # cells, as scripts/reproduction.py builds them (the apps' current CPU defaults).
-FAMILIES = ("mlp", "encoder", "nmt_app", "amoebanet_app")
+FAMILIES = ("mlp", "encoder", "nmt_app", "amoebanet_app", "amoebanet_56px")
+# AmoebaNet-D(L, D) on 56x56 images, batch 32: the activation-heavy input of Table 1
+# (scripts/reproduction.py), at a size whose step takes about a second on one core
+AMOEBA_56PX_SIZE = {"L": 6, "D": 16}
 
 
 @dataclass
@@ -119,10 +131,21 @@ def workload(args: argparse.Namespace) -> Workload:
         x, y = data(args)
         return Workload(lambda: build(args.blocks, args.width), x, y, loss_fn,
                         f"{args.blocks} MLP blocks, d={args.width}, batch {args.batch}x{args.seq}")
-    from scripts.reproduction import APP_FAMILIES, ENCODER, TINY_ENCODER
+    from scripts.reproduction import (
+        APP_FAMILIES,
+        ENCODER,
+        TINY_ENCODER,
+        TINY_FAMILIES,
+    )
+    from scripts.reproduction import (
+        FAMILIES as PAPER_FAMILIES,
+    )
 
+    amoeba_56px = ((TINY_FAMILIES["amoebanet_56px"], {"L": 3, "D": 4}) if args.tiny
+                   else (PAPER_FAMILIES["amoebanet_56px"], AMOEBA_56PX_SIZE))
     family, size = {"encoder": (TINY_ENCODER if args.tiny else ENCODER,
-                                {"L": 3 if args.tiny else 8}), **APP_FAMILIES}[args.family]
+                                {"L": 3 if args.tiny else 8}),
+                    "amoebanet_56px": amoeba_56px, **APP_FAMILIES}[args.family]
     batch = args.batch or family.batch_size
     x, y = family.batch(batch)
     return Workload(lambda: gp.materialize(family.build(size), seed=0), x, y, family.loss_fn,
@@ -182,23 +205,65 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
                 configs[(impl, schedule)] = step
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
         peaks: dict[tuple[str, str], tuple[float | None, float | None, float]] = {}
+        # this rank's (compute, wait, action span) of every timed step of our pipelines
+        spent: dict[tuple[str, str], list[tuple[float, float, float]]] = {
+            key: [] for key, fn in configs.items() if hasattr(fn, "pipe")}
         for round_ in range(args.warmup + args.steps):
             for key, fn in configs.items():
                 if round_ == args.warmup - 1:  # warm steps, untimed: memory
                     peaks[key] = (*step_memory_mb(fn), step_tensor_mb(fn))
                     continue
+                if key in spent:
+                    fn.pipe.timeline.clear()  # this step's actions only
                 seconds = timed_step(fn)
                 if round_ >= args.warmup:
                     times[key].append(seconds)
+                    if key in spent:
+                        spent[key].append(action_time(fn.pipe.timeline))
         for (impl, schedule), samples in times.items():
             rank_peaks: list[Any] = [None] * K
             dist.all_gather_object(rank_peaks, peaks[(impl, schedule)])
-            rows.append({"impl": impl, "schedule": schedule, "M": m,
-                         "seconds": statistics.median(samples), "samples": samples,
-                         "peak_rss_mb_per_rank": [p for p, _, _ in rank_peaks],
-                         "step_memory_mb_per_rank": [d for _, d, _ in rank_peaks],
-                         "peak_tensor_mb_per_rank": [t for _, _, t in rank_peaks]})
+            row = {"impl": impl, "schedule": schedule, "M": m,
+                   "seconds": statistics.median(samples), "samples": samples,
+                   "peak_rss_mb_per_rank": [p for p, _, _ in rank_peaks],
+                   "step_memory_mb_per_rank": [d for _, d, _ in rank_peaks],
+                   "peak_tensor_mb_per_rank": [t for _, _, t in rank_peaks]}
+            if (impl, schedule) in spent:
+                per_rank: list[Any] = [None] * K
+                dist.all_gather_object(per_rank, spent[(impl, schedule)])
+                row.update(bound(per_rank, samples))
+            rows.append(row)
     return json.dumps(rows) if rank == 0 else None
+
+
+def action_time(events: list[gp.TimelineEvent]) -> tuple[float, float, float]:
+    """One step of this rank's actions: (compute: each action from its input's arrival to its
+    end; wait: inside actions, for a neighbour's message; span: from the first action's start
+    to the last one's end)."""
+    compute = sum(e.end - (e.ready if e.ready is not None else e.start) for e in events)
+    wait = sum(e.ready - e.start for e in events if e.ready is not None)
+    span = max(e.end for e in events) - min(e.start for e in events) if events else 0.0
+    return compute, wait, span
+
+
+def bound(per_rank: list[list[tuple[float, float, float]]], samples: list[float]
+          ) -> dict[str, Any]:
+    """The bubble-free bound of every timed step (the busiest rank's compute) against the step's
+    time, and each rank's time by cause (medians over the steps)."""
+    steps = list(zip(*per_rank, strict=True))  # per step: every rank's (compute, wait, span)
+    bounds = [max(compute for compute, _, _ in ranks) for ranks in steps]
+    return {
+        "bound_seconds": statistics.median(bounds),
+        "bound_samples": bounds,
+        "bound_efficiency": statistics.median(b / t for b, t in zip(bounds, samples, strict=True)),
+        "compute_per_rank": [statistics.median(s[0] for s in rank) for rank in per_rank],
+        "wait_per_rank": [statistics.median(s[1] for s in rank) for rank in per_rank],
+        # the step's time outside this rank's actions: before its first, after its last and
+        # between them (the transport's posts and receives, the loss, Python between actions)
+        "outside_actions_per_rank": [
+            statistics.median(t - c - w for (c, w, _), t in zip(rank, samples, strict=True))
+            for rank in per_rank],
+    }
 
 
 class _TupleIn(nn.Module):
@@ -218,8 +283,11 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
               loss: Callable[[Any, Tensor], Tensor] = loss_fn) -> Any:
     if impl == "gpipe_core":
         try:
+            # record: each action's timeline, for the bubble-free bound (perf_counter calls
+            # around each action; torch.pipelining's steps have none)
             pipe = gp.DistributedGPipe(model, balance, chunks=m, schedule=schedule,
-                                       checkpoint=checkpoint, loss_fn=loss, quiet_io=quiet_io)
+                                       checkpoint=checkpoint, loss_fn=loss, quiet_io=quiet_io,
+                                       record=True)
         except ValueError:
             return None  # DualPipeV refusing fewer than 2K micro-batches
 
@@ -227,6 +295,7 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
             pipe.zero_grad(set_to_none=True)
             pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
 
+        ours.pipe = pipe  # type: ignore[attr-defined]
         return ours
     from torch.distributed import pipelining
 

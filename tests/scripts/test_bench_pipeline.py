@@ -43,6 +43,16 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
                 rows[("plain", "chunked", m)]["seconds"] / 2 / row["seconds"])
             assert len(row["peak_rss_mb_per_rank"]) == 2
             assert len(row["peak_tensor_mb_per_rank"]) == 2
+            if key[0] == "gpipe_core":  # the bubble-free bound, from the same steps' timelines
+                # the busiest rank's compute happened inside the step: never above its time
+                assert all(0 < b <= t for b, t in zip(row["bound_samples"], row["samples"],
+                                                      strict=True))
+                assert 0 < row["bound_efficiency"] <= 1
+                assert min(row["outside_actions_per_rank"]) >= 0
+                # a step's bound is its busiest rank's compute: at least any rank's median
+                assert row["bound_seconds"] >= max(row["compute_per_rank"]) * (1 - 1e-12)
+            else:
+                assert "bound_seconds" not in row
     assert ("torch.pipelining", "1f1b", 1) not in rows  # Schedule1F1B needs M >= K
     assert ("torch.pipelining", "1f1b", 2) in rows
     assert (out / "bench_pipeline.png").stat().st_size > 0

@@ -1,0 +1,51 @@
+"""scripts/efficiency_bound.py end to end on tiny models: the launches' rows become one row per
+family whose medians, verdicts and counts follow from the launches (the numbers themselves are
+not checked: timing on a shared machine)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scripts.published import assert_provenance
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_efficiency_bound_summarizes_its_launches(tmp_path: Path) -> None:
+    out = tmp_path / "efficiency_bound.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "efficiency_bound.py"), "--quick",
+         "--families", "mlp", "--launches", "2", "--steps", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert_provenance(report)
+    (row,) = report["families"]
+    launches = report["launch_rows"]["mlp"]
+    assert row["family"] == "mlp" and row["M"] == 8 and len(launches) == 2
+    for name, summary in row["schedules"].items():
+        ran = [next(r for r in rows if (r["impl"], r["schedule"]) == ("gpipe_core", name))
+               for rows in launches]
+        assert summary["seconds"] == statistics.median(r["seconds"] for r in ran)
+        assert summary["bound_efficiency_per_launch"] == [r["bound_efficiency"] for r in ran]
+        assert 0 < summary["bound_efficiency"] <= 1
+    fastest = min(row["schedules"], key=lambda s: row["schedules"][s]["seconds"])
+    assert row["fastest"] == fastest
+    assert row["bound_goal_met"] == (row["schedules"][fastest]["bound_efficiency"] >= 0.95)
+    for versus in row["torch"].values():
+        assert versus["rounds"] == 4 and 0 <= versus["ours_won"] <= 4
+    assert set(row["torch"]) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zb_v",
+                                 "dualpipe_v"}
+    plan = row["plan"]
+    assert plan["choice"] == min(plan["predicted_seconds"], key=plan["predicted_seconds"].get)
+    assert row["plan_goal_met"] == (plan["choice_over_fastest"] <= 0.03)
+    assert f"fastest {fastest}" in result.stdout and "gp.plan chose" in result.stdout
