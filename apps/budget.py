@@ -255,6 +255,13 @@ class RunLength:
             return f"stop_at_step={self.stop_at_step}"
         return ""
 
+    def early_stop_note(self, step: int, reason: str | None) -> str | None:
+        """The line a run says when ``stop_at_step`` ended this invocation before its length."""
+        if not (reason and reason.startswith("stop_at_step")):
+            return None
+        return (f"stopped at step {step} of {self.steps} ({reason}): the learning-rate schedule "
+                "has not ended; continue with --resume")
+
     @property
     def bar_total(self) -> int:
         """The steps this invocation trains to, for a progress bar."""

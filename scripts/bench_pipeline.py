@@ -26,9 +26,10 @@ action does to post its message), which is the step a pipeline with no bubble an
 time could take on these ranks. Per row: ``bound_seconds`` (median over the timed steps) and
 ``bound_efficiency`` (median of bound / step time, step by step), and per rank the compute,
 the wait inside actions for a neighbour's message, and the rest of the step (outside any
-action: the transport's sends and receives, the loss, Python between actions). Writes the result (every row with its per-round
-samples, and ``scripts.harness.provenance``: commit, torch, UTC time, machine, load before and
-after) to ``--json`` (default ``docs/reproduction/bench_pipeline.json``, the file the pages
+action: the transport's sends and receives, the loss, Python between actions).
+
+Writes the result (every row with its per-round samples, and ``scripts.harness.provenance``:
+commit, torch, UTC time, machine, load before and after) to ``--json`` (default ``docs/reproduction/bench_pipeline.json``, the file the pages
 cite) and to ``--out`` with a PNG of speedup against M.
 
     python scripts/bench_pipeline.py [--blocks 16 --width 256 --batch 64 --seq 16 --steps 15]
@@ -131,21 +132,13 @@ def workload(args: argparse.Namespace) -> Workload:
         x, y = data(args)
         return Workload(lambda: build(args.blocks, args.width), x, y, loss_fn,
                         f"{args.blocks} MLP blocks, d={args.width}, batch {args.batch}x{args.seq}")
-    from scripts.reproduction import (
-        APP_FAMILIES,
-        ENCODER,
-        TINY_ENCODER,
-        TINY_FAMILIES,
-    )
-    from scripts.reproduction import (
-        FAMILIES as PAPER_FAMILIES,
-    )
+    from scripts import reproduction as r
 
-    amoeba_56px = ((TINY_FAMILIES["amoebanet_56px"], {"L": 3, "D": 4}) if args.tiny
-                   else (PAPER_FAMILIES["amoebanet_56px"], AMOEBA_56PX_SIZE))
-    family, size = {"encoder": (TINY_ENCODER if args.tiny else ENCODER,
+    amoeba_56px = ((r.TINY_FAMILIES["amoebanet_56px"], {"L": 3, "D": 4}) if args.tiny
+                   else (r.FAMILIES["amoebanet_56px"], AMOEBA_56PX_SIZE))
+    family, size = {"encoder": (r.TINY_ENCODER if args.tiny else r.ENCODER,
                                 {"L": 3 if args.tiny else 8}),
-                    "amoebanet_56px": amoeba_56px, **APP_FAMILIES}[args.family]
+                    "amoebanet_56px": amoeba_56px, **r.APP_FAMILIES}[args.family]
     batch = args.batch or family.batch_size
     x, y = family.batch(batch)
     return Workload(lambda: gp.materialize(family.build(size), seed=0), x, y, family.loss_fn,
@@ -194,19 +187,17 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
         for impl, schedule in ([("gpipe_core", s) for s in OURS]
                                + [("torch.pipelining", s) for s in THEIRS]):
             model = work.build()
-            parts = 2 * K if schedule in VIRTUAL else K
-            if len(model) < parts:  # a stage without layers: nothing to compare
+            balance = equal_balance(len(model), schedule)
+            if len(model) < len(balance):  # a stage without layers: nothing to compare
                 continue
-            balance = [len(model) // parts + (1 if i < len(model) % parts else 0)
-                       for i in range(parts)]
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint,
                              args.quiet_io, work.loss_fn)
             if step is not None:
                 configs[(impl, schedule)] = step
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
         peaks: dict[tuple[str, str], tuple[float | None, float | None, float]] = {}
-        # this rank's (compute, wait, action span) of every timed step of our pipelines
-        spent: dict[tuple[str, str], list[tuple[float, float, float]]] = {
+        # this rank's (compute, wait) of every timed step of our pipelines
+        spent: dict[tuple[str, str], list[tuple[float, float]]] = {
             key: [] for key, fn in configs.items() if hasattr(fn, "pipe")}
         for round_ in range(args.warmup + args.steps):
             for key, fn in configs.items():
@@ -236,22 +227,25 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
     return json.dumps(rows) if rank == 0 else None
 
 
-def action_time(events: list[gp.TimelineEvent]) -> tuple[float, float, float]:
+def equal_balance(layers: int, schedule: str) -> list[int]:
+    """The layers in equal counts over the stages: one per rank, two with a virtual schedule."""
+    parts = 2 * K if schedule in VIRTUAL else K
+    return [layers // parts + (1 if i < layers % parts else 0) for i in range(parts)]
+
+
+def action_time(events: list[gp.TimelineEvent]) -> tuple[float, float]:
     """One step of this rank's actions: (compute: each action from its input's arrival to its
-    end; wait: inside actions, for a neighbour's message; span: from the first action's start
-    to the last one's end)."""
+    end; wait: inside actions, for a neighbour's message)."""
     compute = sum(e.end - (e.ready if e.ready is not None else e.start) for e in events)
     wait = sum(e.ready - e.start for e in events if e.ready is not None)
-    span = max(e.end for e in events) - min(e.start for e in events) if events else 0.0
-    return compute, wait, span
+    return compute, wait
 
 
-def bound(per_rank: list[list[tuple[float, float, float]]], samples: list[float]
-          ) -> dict[str, Any]:
+def bound(per_rank: list[list[tuple[float, float]]], samples: list[float]) -> dict[str, Any]:
     """The bubble-free bound of every timed step (the busiest rank's compute) against the step's
     time, and each rank's time by cause (medians over the steps)."""
-    steps = list(zip(*per_rank, strict=True))  # per step: every rank's (compute, wait, span)
-    bounds = [max(compute for compute, _, _ in ranks) for ranks in steps]
+    steps = list(zip(*per_rank, strict=True))  # per step: every rank's (compute, wait)
+    bounds = [max(compute for compute, _ in ranks) for ranks in steps]
     return {
         "bound_seconds": statistics.median(bounds),
         "bound_samples": bounds,
@@ -261,7 +255,7 @@ def bound(per_rank: list[list[tuple[float, float, float]]], samples: list[float]
         # the step's time outside this rank's actions: before its first, after its last and
         # between them (the transport's posts and receives, the loss, Python between actions)
         "outside_actions_per_rank": [
-            statistics.median(t - c - w for (c, w, _), t in zip(rank, samples, strict=True))
+            statistics.median(t - c - w for (c, w), t in zip(rank, samples, strict=True))
             for rank in per_rank],
     }
 

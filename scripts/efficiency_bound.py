@@ -41,7 +41,7 @@ from typing import Any
 
 import gpipe_core as gp
 from apps.planning import CPU_CORE
-from scripts.bench_pipeline import OURS, TORCH_COUNTERPART, VIRTUAL, workload
+from scripts.bench_pipeline import OURS, TORCH_COUNTERPART, equal_balance, workload
 from scripts.harness import provenance, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,18 +70,10 @@ def launch(family: str, index: int, args: Namespace, scratch: Path) -> dict[str,
     return json.loads((out / "report.json").read_text())
 
 
-def model_balance(length: int, schedule: str) -> list[int]:
-    """The benchmark's balance: the layers in equal parts, one or two per rank."""
-    parts = 2 * K if schedule in VIRTUAL else K
-    return [length // parts + (1 if i < length % parts else 0) for i in range(parts)]
-
-
-def planned(family: str, args: Namespace, schedules: list[str]) -> dict[str, float]:
-    """gp.plan's predicted step time of each measured schedule, at the benchmark's balance."""
-    work = workload(Namespace(family=family, tiny=args.quick,
-                              blocks=4 if args.quick else 16, width=16 if args.quick else 256,
-                              batch=16 if args.quick else (64 if family == "mlp" else None),
-                              seq=2 if args.quick else 16))
+def planned(config: dict[str, Any], schedules: list[str]) -> dict[str, float]:
+    """gp.plan's predicted step time of each measured schedule, at the benchmark's balance, for
+    the workload a launch measured (``config``: its recorded arguments)."""
+    work = workload(Namespace(**config))
     model = work.build()
     costs = gp.layer_costs(model, work.inputs)
     batch = len(work.targets)
@@ -90,7 +82,7 @@ def planned(family: str, args: Namespace, schedules: list[str]) -> dict[str, flo
         try:
             plans = gp.plan(costs, device=CPU_CORE, optimizer="adam", batch_size=batch,
                             stages=[K], microbatches=[M], schedule=schedule,
-                            checkpoints=["never"], balance=model_balance(len(model), schedule))
+                            checkpoints=["never"], balance=equal_balance(len(model), schedule))
         except (ValueError, gp.NoPlanFits):
             continue  # a schedule the planner does not model at this layout
         predicted[schedule] = plans[0].step_time
@@ -107,21 +99,16 @@ def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, f
     def median_of(key: tuple[str, str], field: str) -> float:
         return statistics.median(rows[key][field] for rows in launches)
 
-    schedules = {
-        s: {"seconds": median_of(("gpipe_core", s), "seconds"),
-            "bound_seconds": median_of(("gpipe_core", s), "bound_seconds"),
-            "bound_efficiency": median_of(("gpipe_core", s), "bound_efficiency"),
-            "bound_efficiency_per_launch": [rows[("gpipe_core", s)]["bound_efficiency"]
-                                            for rows in launches],
-            "compute_per_rank": [statistics.median(rows[("gpipe_core", s)]["compute_per_rank"][r]
-                                                   for rows in launches) for r in range(K)],
-            "wait_per_rank": [statistics.median(rows[("gpipe_core", s)]["wait_per_rank"][r]
-                                                for rows in launches) for r in range(K)],
-            "outside_actions_per_rank": [
-                statistics.median(rows[("gpipe_core", s)]["outside_actions_per_rank"][r]
-                                  for rows in launches) for r in range(K)]}
-        for s in ours
-    }
+    def summary(schedule: str) -> dict[str, Any]:
+        ran = [rows[("gpipe_core", schedule)] for rows in launches]
+        row: dict[str, Any] = {field: statistics.median(r[field] for r in ran)
+                               for field in ("seconds", "bound_seconds", "bound_efficiency")}
+        row["bound_efficiency_per_launch"] = [r["bound_efficiency"] for r in ran]
+        for field in ("compute_per_rank", "wait_per_rank", "outside_actions_per_rank"):
+            row[field] = [statistics.median(r[field][rank] for r in ran) for rank in range(K)]
+        return row
+
+    schedules = {s: summary(s) for s in ours}
     fastest = min(schedules, key=lambda s: schedules[s]["seconds"])
     torch_rows = {}
     for s in ours:
@@ -204,7 +191,7 @@ def main() -> None:
         for family in args.families:
             reports = [launch(family, i, args, Path(scratch)) for i in range(args.launches)]
             raw[family] = [report["rows"] for report in reports]
-            rows.append(summarize(family, reports, planned(family, args, list(OURS))))
+            rows.append(summarize(family, reports, planned(reports[0]["config"], list(OURS))))
     print_table(rows)
     write_json(args.json, {"provenance": provenance(load_before), "config": vars(args),
                            "goals": {"bound": GOAL_BOUND, "plan": GOAL_PLAN},

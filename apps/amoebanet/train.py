@@ -358,9 +358,8 @@ def report_training(config: AmoebaNetConfig, run: Run, *, step: int, updates_per
                     length: RunLength, path: Path) -> None:
     """Rank 0's lines after the loop: what was trained, and a note if ``stop_at_step`` ended
     this invocation before the run's end."""
-    if stop_reason.startswith("stop_at_step"):
-        run.say(f"stopped at step {step} of {length.steps} ({stop_reason}): the learning-rate "
-                "schedule has not ended; continue with --resume")
+    if note := length.early_stop_note(step, stop_reason):
+        run.say(note)
     run.say(f"trained {step} steps ({step / updates_per_epoch:.2f} epochs, {images_seen:,} "
             f"images) in {train_seconds / 60:.1f} min, "
             f"{images_seen / max(train_seconds, 1e-9):.0f} images/s; stopped by "

@@ -432,9 +432,8 @@ def report_training(config: NMTConfig, run: Run, *, step: int, tokens_seen: int,
                     path: Path) -> None:
     """Rank 0's lines after the loop: what was trained, and a note if ``stop_at_step`` ended
     this invocation before the run's end."""
-    if stopped_by and stopped_by.startswith("stop_at_step"):
-        run.say(f"stopped at step {step} of {length.steps} ({stopped_by}): the learning-rate "
-                f"schedule has not ended; continue with --resume")
+    if note := length.early_stop_note(step, stopped_by):
+        run.say(note)
     run.say(f"trained {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_seconds / 60:.1f} "
             f"min ({tokens_seen / max(train_seconds, 1e-9):.0f} tokens/s, source + target, no "
             f"padding); checkpoint {path}")
