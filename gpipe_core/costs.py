@@ -10,6 +10,12 @@ on a sample batch and counts, per layer:
   ``saved_input_bytes`` and only when the previous layer did not already save them (its
   output saved by both counts with the first), the way the CPU memory model counts them;
 - ``input_bytes`` / ``output_bytes``: the boundary message a stage receives or sends;
+- ``backward_bytes``: the most the layer's backward holds at once beyond what the forward
+  saved: the gradient it receives (``output_bytes``), its temporaries and the gradient of its
+  input, replayed from every storage its backward creates and frees; parameter gradients are
+  left out (the optimizer's memory counts them). Counted at the sample's batch and at twice
+  it: the part that grows with the batch is ``backward_bytes``, the rest, which does not
+  (a weight used twice has its gradient's parts summed), ``backward_fixed_bytes``;
 - ``forward_flops`` / ``backward_flops``: ``torch.utils.flop_counter.FlopCounterMode``
   (matrix products and convolutions; element-wise work counts nothing, as in MFU);
 - ``forward_ops`` / ``backward_ops``: operator calls (metadata-only ones such as views not
@@ -23,6 +29,7 @@ micro-batch's backward is :meth:`LayerCosts.kept_bytes`: its input, plus what it
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -38,7 +45,8 @@ from .microbatch import flatten, map_tensors
 __all__ = ["LayerCosts", "layer_costs", "structural_key"]
 
 # Fields that do not scale with the batch.
-_PER_SAMPLE = ("param_count", "param_bytes", "forward_ops", "backward_ops")
+_PER_SAMPLE = ("param_count", "param_bytes", "backward_fixed_bytes", "forward_ops",
+               "backward_ops")
 
 
 @dataclass
@@ -53,6 +61,8 @@ class LayerCosts:
     saved_input_bytes: list[float] = field(default_factory=list)  # inputs it saves, not saved before
     input_bytes: list[float] = field(default_factory=list)
     output_bytes: list[float] = field(default_factory=list)
+    backward_bytes: list[float] = field(default_factory=list)  # held by its backward, per batch
+    backward_fixed_bytes: list[float] = field(default_factory=list)  # and at any batch
     forward_flops: list[float] = field(default_factory=list)
     backward_flops: list[float] = field(default_factory=list)
     forward_ops: list[int] = field(default_factory=list)  # operator calls
@@ -116,6 +126,54 @@ def _storage_key(tensor: Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
 
 
+class _Allocations(TorchDispatchMode):
+    """Every storage an operator creates inside the context, and when it is freed, in order:
+    what was alive at once can be replayed afterwards, leaving out storages known only at the
+    end (the parameters' gradients). A storage's key (its address) is reused once it is freed,
+    so each creation gets its own number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []  # (number, +bytes) created, (number, 0) freed
+        self._alive: dict[int, int] = {}  # storage key -> its creation's number
+
+    def _freed(self, key: int, number: int) -> None:
+        self.events.append((number, 0))
+        if self._alive.get(key) == number:
+            del self._alive[key]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # a view or an in-place result shares an argument's storage: nothing new
+        given = {_storage_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            key = int(storage._cdata)
+            if key not in self._alive and key not in given:
+                number = len(self.events)
+                self._alive[key] = number
+                self.events.append((number, storage.nbytes()))
+                weakref.finalize(storage, self._freed, key, number)
+        return out
+
+    def peak(self, excluded: Sequence[Tensor] = ()) -> int:
+        """The most bytes alive at once, the storages of ``excluded`` (alive now) left out."""
+        left_out = {self._alive.get(_storage_key(t)) for t in excluded}
+        sizes: dict[int, int] = {}
+        current = peak = 0
+        for number, size in self.events:
+            if number in left_out:
+                continue
+            if size:
+                sizes[number] = size
+                current += size
+                peak = max(peak, current)
+            else:
+                current -= sizes.pop(number, 0)
+        return peak
+
+
 class _SavedStorages:
     """The storages autograd saves, by key, with their sizes; parameters excluded."""
 
@@ -161,9 +219,15 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             y = layer(x)
         outputs = [t for t in _tensors(y) if t.requires_grad]
-        with FlopCounterMode(display=False) as backward_count, backward_ops:
+        grads = [grad_of(t) for t in outputs]
+        with FlopCounterMode(display=False) as backward_count, backward_ops, \
+                _Allocations() as allocations:
             if outputs:
-                torch.autograd.backward(outputs, [grad_of(t) for t in outputs])
+                torch.autograd.backward(outputs, grads)
+    parameter_grads = [p.grad for p in layer.parameters() if p.grad is not None]
+    backward_held = allocations.peak(parameter_grads) + sum(
+        g.numel() * g.element_size() for g in grads)
+    del grads
     layer.zero_grad(set_to_none=True)
     input_keys = [_storage_key(t) for t in leaves]
     saved_inputs = [(frozenset(i for i, k in enumerate(input_keys) if k == key), size)
@@ -178,6 +242,7 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
         "saved_bytes": float(own),
         "input_bytes": _nbytes(x),
         "output_bytes": _nbytes(y),
+        "backward_bytes": float(backward_held),
         "forward_flops": float(forward_count.get_total_flops()),
         "backward_flops": float(backward_count.get_total_flops()),
         "forward_ops": forward_ops.calls,
@@ -232,22 +297,41 @@ def layer_costs(
     x = map_tensors(sample, lambda t: t.to("meta"))
     previous_saved: frozenset[int] = frozenset()  # input leaves the previous layer saved
     counted: dict[Hashable, _Counted] = {}
+    # the same layers on twice the batch, for the part of a backward that grows with it (None
+    # once a layer cannot take it: a tensor whose first dimension is not the batch)
+    x2: Any = map_tensors(x, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
+
+    def count_on(layer: nn.Module, inputs: Any) -> _Counted:
+        inputs = map_tensors(inputs, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+        key = None if same_layer is None else (same_layer(layer), _signature(inputs))
+        if key is not None and key in counted:
+            return counted[key]
+        count = _count_layer(layer, inputs, parameters, grad_of)
+        if key is not None:
+            counted[key] = count
+        return count
+
     # Not named_children(): it skips a layer that appears twice.
     for name, layer in module._modules.items():
         assert layer is not None
-        x = map_tensors(x, lambda t: t.detach().requires_grad_(t.is_floating_point()))
-        key = None if same_layer is None else (same_layer(layer), _signature(x))
-        if key is not None and key in counted:
-            count = counted[key]
-        else:
-            count = _count_layer(layer, x, parameters, grad_of)
-            if key is not None:
-                counted[key] = count
+        count = count_on(layer, x)
+        count2: _Counted | None = None
+        if x2 is not None:
+            try:
+                count2 = count_on(layer, x2)
+            except (RuntimeError, ValueError, IndexError):
+                x2 = None
         costs.names.append(name)
         for field_name, value in count.values.items():
             getattr(costs, field_name).append(value)
+        held = count.values["backward_bytes"]
+        growing = held if count2 is None else min(
+            max(count2.values["backward_bytes"] - held, 0.0), held)
+        costs.backward_bytes[-1] = growing
+        costs.backward_fixed_bytes.append(held - growing)
         costs.saved_input_bytes.append(float(sum(
             size for leaves, size in count.saved_inputs if not leaves & previous_saved)))
         previous_saved = count.saved_outputs
         x = count.output
+        x2 = None if count2 is None else count2.output
     return costs

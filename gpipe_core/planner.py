@@ -191,6 +191,8 @@ def plan(
         choice.check(balance)
     stage_kept: Callable[[int, int], float] | None = None
     boundary_bytes: Sequence[float] | None = None
+    backward_bytes: Sequence[float] | None = None
+    backward_fixed: Sequence[float] | None = None
     if profiles:
         measured = _from_profiles(profiles)
         microbatch_costs = {**measured, **(microbatch_costs or {})}
@@ -225,6 +227,8 @@ def plan(
         input_bytes = whole.input_bytes
         stage_kept = whole.kept_bytes
         boundary_bytes = whole.output_bytes
+        backward_bytes = whole.backward_bytes or None  # None: costs counted before the field
+        backward_fixed = whole.backward_fixed_bytes or None
         if memory_budget is None:
             memory_budget = device.memory_bytes
     if (forward is None or backward is None or activation_bytes is None or input_bytes is None
@@ -264,7 +268,8 @@ def plan(
                     per_action_overhead=per_action_overhead, transfer=transfer,
                     microbatch_costs=microbatch_costs, backward_weight=backward_weight,
                     backward_input=backward_input, checkpoints=checkpoints, stage_kept=stage_kept,
-                    boundary_bytes=boundary_bytes, device=device, balance=balance)
+                    boundary_bytes=boundary_bytes, backward_bytes=backward_bytes,
+                    backward_fixed=backward_fixed, device=device, balance=balance)
                 plans += found
                 smallest = min(smallest, least)
     if not plans:
@@ -343,6 +348,8 @@ def _plans_for(
     boundary_bytes: Sequence[float] | None,
     device: Device | None,
     balance: Sequence[int] | None = None,
+    backward_bytes: Sequence[float] | None = None,
+    backward_fixed: Sequence[float] | None = None,
 ) -> tuple[list[Plan], float]:
     """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
     the smallest peak memory of any of its configurations (fitting or not)."""
@@ -400,6 +407,11 @@ def _plans_for(
         selective = _Selective(
             stages, actions, on_rank, held, layer_forward,
             [a / m for a in activation_bytes], [i / m for i in input_bytes],
+            [0.0] * len(forward) if backward_bytes is None else [
+                b / m + (0.0 if backward_fixed is None else fixed)
+                for b, fixed in zip(backward_bytes, backward_fixed or backward_bytes,
+                                    strict=True)],
+            [0.0] * len(forward) if boundary_bytes is None else [o / m for o in boundary_bytes],
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
                  transfer=links, activation_bytes=acts, input_bytes=inputs))
         for checkpoint in checkpoints:
@@ -421,10 +433,12 @@ def _plans_for(
             sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
                            transfer=links,
                            checkpoint=checkpoint, activation_bytes=acts, input_bytes=inputs)
-            # Re-materializing needs one micro-batch's full activations during backward
-            # (a split backward's I keeps them until W; the simulation counts that).
-            rebuilt = checkpoint != "never" and not actions.splits_backward
-            kept = [sim.peak_bytes[r] + (max(acts[s] for s in mine) if rebuilt else 0.0)
+            # During a backward: one micro-batch's rebuilt activations if re-materialized (a
+            # split backward's I keeps them until W; the simulation counts that), and the
+            # backward's own gradients and temporaries.
+            working = [selective.working(s, set(range(a, b)) if checkpoint == "never" else set())
+                       for s, (a, b) in enumerate(stages)]
+            kept = [sim.peak_bytes[r] + max(working[s] for s in mine)
                     for r, mine in enumerate(on_rank)]
             peak = max(h + a for h, a in zip(held, kept, strict=True))
             smallest = min(smallest, peak)
@@ -440,7 +454,8 @@ class _Selective:
     def __init__(self, stages: Sequence[tuple[int, int]], actions: Schedule,
                  on_rank: Sequence[Sequence[int]], held: Sequence[float],
                  layer_forward: Sequence[float], layer_bytes: Sequence[float],
-                 layer_inputs: Sequence[float], simulate_kwargs: dict[str, Any]) -> None:
+                 layer_inputs: Sequence[float], layer_backward: Sequence[float],
+                 layer_outputs: Sequence[float], simulate_kwargs: dict[str, Any]) -> None:
         self.stages = list(stages)
         self.actions = actions
         self.on_rank = on_rank
@@ -448,6 +463,10 @@ class _Selective:
         self.layer_forward = layer_forward  # per layer: one micro-batch's forward seconds
         self.layer_bytes = layer_bytes  # per layer: activations kept for one micro-batch
         self.layer_inputs = layer_inputs  # per layer: its input, one micro-batch
+        # per layer: what its backward holds at once beyond what was saved (the gradient it
+        # receives, temporaries, its input's gradient), one micro-batch
+        self.layer_backward = layer_backward
+        self.layer_outputs = layer_outputs  # per layer: its output, one micro-batch
         self.simulate_kwargs = simulate_kwargs
 
     def _runs(self, s: int, keep: set[int]) -> list[list[int]]:
@@ -471,13 +490,40 @@ class _Selective:
         return (sum(self.layer_bytes[i] for i in keep if a <= i < b)
                 + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)))
 
-    def _rebuilt(self, s: int, keep: set[int]) -> float:
-        """What stage s's fused backward adds while it rebuilds one recomputed run at a time
-        (I keeps them all until W, which the simulation counts as the whole activations)."""
-        if self.actions.splits_backward:
-            return 0.0
-        return max((sum(self.layer_bytes[i] for i in run) for run in self._runs(s, keep)),
-                   default=0.0)
+    def working(self, s: int, keep: set[int]) -> float:
+        """What stage s's backward of one micro-batch adds to what its micro-batches keep, at
+        its largest. The stage goes back through its runs (maximal runs of kept or of
+        recomputed layers, last first), one autograd pass each, which holds the run's output
+        and the gradient it received throughout (and the stage's received gradient is held
+        until the stage's backward ends); going back layer by layer, a recomputed run's
+        rebuilt activations up to the layer (a fused backward rebuilds one run at a time and
+        frees each layer's as it passes it; a split backward's I keeps them all until W, which
+        the simulation counts), and the layer's own backward (the gradient it receives,
+        temporaries, its input's gradient). What the backward frees of the micro-batch's kept
+        activations on the way is not subtracted: a layer's saved tensors may be another's
+        input (AmoebaNet's cells read the two previous outputs), so the count stays an upper
+        bound."""
+        a, b = self.stages[s]
+        runs: list[list[int]] = []
+        for i in range(a, b):
+            if runs and (runs[-1][-1] in keep) == (i in keep):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        most = 0.0
+        for run in runs:
+            last = run[-1]
+            rebuilt = last not in keep and not self.actions.splits_backward
+            # the gradient the stage received is held until its backward ends
+            stage_received = 0.0 if last == b - 1 else self.layer_outputs[b - 1]
+            partial = 0.0
+            for i in run:
+                partial += self.layer_bytes[i] if rebuilt else 0.0
+                # the run's received gradient, in the layer's own count at the run's end
+                received = 0.0 if i == last else self.layer_outputs[last]
+                most = max(most, partial + self.layer_backward[i] + self.layer_outputs[last]
+                           + received + stage_received)
+        return most
 
     def evaluate(self, keep: Sequence[set[int]]) -> tuple[Simulation, list[float]]:
         """The simulation of this choice and each rank's peak above its parameters."""
@@ -486,8 +532,8 @@ class _Selective:
         sim = simulate(self.actions, checkpoint="always", recompute=recompute,
                        kept_bytes=[self.kept_bytes(s, keep[s]) for s in range(len(self.stages))],
                        **self.simulate_kwargs)
-        rebuilt = [self._rebuilt(s, keep[s]) for s in range(len(self.stages))]
-        kept = [sim.peak_bytes[r] + max((rebuilt[s] for s in mine), default=0.0)
+        working = [self.working(s, keep[s]) for s in range(len(self.stages))]
+        kept = [sim.peak_bytes[r] + max((working[s] for s in mine), default=0.0)
                 for r, mine in enumerate(self.on_rank)]
         return sim, kept
 
@@ -542,12 +588,12 @@ class _Selective:
             for s in range(len(self.stages)):
                 if rank_of[s] not in over:
                     continue
-                # bytes at the peak: this stage's micro-batches in flight at once, and one
-                # recomputed run rebuilt in its backward
+                # bytes at the peak: this stage's micro-batches in flight at once, and its
+                # backward's working bytes (one recomputed run rebuilt at a time)
                 inflight = sim.peak_inflight[rank_of[s]]
 
                 def at_peak(layers: set[int], s: int = s, inflight: int = inflight) -> float:
-                    return inflight * self.kept_bytes(s, layers) + self._rebuilt(s, layers)
+                    return inflight * self.kept_bytes(s, layers) + self.working(s, layers)
 
                 before = at_peak(keep[s])
                 for i in sorted(keep[s]):

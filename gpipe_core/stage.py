@@ -420,6 +420,7 @@ class Stage(StagePosition):
         assert saved.runs is not None
         grads = grad_outputs
         params = self._parameters_requiring_grad(step)
+        later: _Run | None = None  # the run backpropagated before this one
         with self._rebuilding(saved):
             for run in reversed(saved.runs):
                 outputs = run.outputs
@@ -447,6 +448,14 @@ class Stage(StagePosition):
                     grads = [x.grad if isinstance(x, Tensor) and x.requires_grad else None
                              for x in run.inputs]
                     run.outputs = None  # this run's graph is spent; free it now
+                # Free what is spent before the next run is rebuilt: this run's outputs and
+                # their gradients, and the gradients of the later run's inputs it received.
+                del outputs, tensors, root_grads
+                if later is not None:
+                    for x in later.inputs:
+                        if isinstance(x, Tensor):
+                            x.grad = None
+                later = run
         if split:  # W runs every run's part; the stage-level part has nothing to do
             saved.pending = PendingWeights([], {})
         assert grads is not None

@@ -322,7 +322,7 @@ def run_app(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "load_before": load_before, "load_after": load_after,
     }
     search = [exhaustive(app, m, by_m[m]["budget_mb"], by_m[m]["plans"]["always"]["balance"])
-              for m in args.chunks] if args.exhaustive else []
+              if args.exhaustive else None for m in args.chunks]
     return {"app": name, "model": app.model.describe, "batch": budget_batch(app.model, 1),
             "memory": rows, "timing": timing,
             "exhaustive": [dict(e, M=m) for m, e in zip(args.chunks, search, strict=True)

@@ -175,3 +175,69 @@ def test_identical_layers_counted_once_give_the_full_count() -> None:
         full = gp.layer_costs(build(), sample)
         reused = gp.layer_costs(build(), sample, same_layer=gp.costs.structural_key)
         assert reused == full
+
+
+def _backward_peak_on_cpu(layer: nn.Module, x: Tensor) -> tuple[int, int]:
+    """(the most bytes one backward of ``layer`` on real tensors holds at once in storages it
+    creates, its received gradient included; the bytes of the parameter gradients it left)."""
+    from gpipe_core.costs import _Allocations
+
+    x = x.detach().requires_grad_(True)
+    y = layer(x)
+    grad = torch.ones_like(y)
+    with _Allocations() as allocations:
+        y.backward(grad)
+    grads = [p.grad for p in layer.parameters() if p.grad is not None]
+    return (allocations.peak() + grad.numel() * grad.element_size(),
+            sum(g.numel() * g.element_size() for g in grads))
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_backward_bytes_match_a_real_cpu_run(trainable: bool) -> None:
+    """What each layer's backward holds at once, counted on meta, against the same backward on
+    real tensors: exactly, with frozen parameters; with trainable ones the CPU peak holds the
+    parameters' gradients too (the optimizer's memory, left out of the count), so the count
+    lies between that peak less the gradients and the peak. (Attention runs another kernel on
+    meta than on the CPU, the math one against flash attention, holding the same bytes.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*small_model(), nn.Sequential(nn.Linear(4, 16), nn.GELU()))
+    block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1))
+    for module, x in ((model, torch.randn(5, 8)), (block, torch.randn(4, 3, 10, 10)),
+                      (nn.Sequential(EncoderBlock(16, 32, 2)), torch.randn(3, 7, 16))):
+        module.requires_grad_(trainable)
+        costs = gp.layer_costs(module, x)
+        for i, layer in enumerate(module):
+            peak, grads = _backward_peak_on_cpu(layer, x)
+            x = layer(x).detach()
+            counted = costs.backward_bytes[i]
+            if trainable:
+                assert peak - grads <= counted <= peak, (i, layer)
+            else:
+                assert counted == peak, (i, layer)
+
+
+class TwoLookups(nn.Module):
+    """One embedding read twice (the NMT app's source and target tokens): its backward sums two
+    weight-sized gradients, whatever the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(50, 8)
+
+    def forward(self, tokens: tuple[Tensor, Tensor]) -> Tensor:
+        return self.embedding(tokens[0]) + self.embedding(tokens[1])
+
+
+def test_the_part_of_a_backward_that_does_not_grow_with_the_batch_is_apart() -> None:
+    """Both weight-sized gradients of a weight used twice are alive before they are summed:
+    counted once, as ``backward_fixed_bytes``, while the received gradient scales with the
+    batch (counting the whole as per-sample multiplied the embedding's 4 MB by the batch)."""
+    for batch in (3, 6):
+        tokens = (torch.randint(0, 50, (batch, 5)), torch.randint(0, 50, (batch, 5)))
+        costs = gp.layer_costs(nn.Sequential(TwoLookups()), tokens)
+        assert costs.backward_fixed_bytes == [2 * 50 * 8 * 4]
+        assert costs.backward_bytes == costs.output_bytes == [batch * 5 * 8 * 4]
+        doubled = costs.scaled(2 * batch)
+        assert doubled.backward_fixed_bytes == [2 * 50 * 8 * 4]
+        assert doubled.backward_bytes == [2 * batch * 5 * 8 * 4]

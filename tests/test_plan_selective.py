@@ -181,7 +181,8 @@ def test_the_memory_model_is_what_a_stage_holds() -> None:
     costs = gp.layer_costs(model, x)
     model_of = _Selective([(0, 6)], gp.fill_drain(1, 1), [[0]], [0.0], costs.forward_flops,
                           [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes,
-                                                 strict=True)], costs.input_bytes, {})
+                                                 strict=True)], costs.input_bytes,
+                          costs.backward_bytes, costs.output_bytes, {})
     for count in range(7):
         for kept in itertools.combinations(range(6), count):
             stage = Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
@@ -195,3 +196,45 @@ def test_the_memory_model_is_what_a_stage_holds() -> None:
             stage.discard(0)
             output = costs.output_bytes[5] if 5 in kept else 0.0
             assert held == model_of.kept_bytes(0, set(kept)) + output, kept
+
+
+def test_the_backward_of_any_choice_stays_within_the_planned_working_bytes() -> None:
+    """For every choice of kept layers of a stage, the most a micro-batch's forward and
+    backward hold at once (live tensor storage, the received gradient included, parameter
+    gradients left to the optimizer's memory) is at most the planner's kept bytes plus its
+    backward's working bytes (:meth:`_Selective.working`), and at most half above it: the
+    model never under-counts, which would let a plan overrun its budget, and is exact where its
+    terms are all there is; it over-counts where the backward frees kept activations on the way,
+    which it does not subtract. (It fails when a run's spent outputs and gradients are held
+    until the stage's backward ends.)"""
+    from gpipe_core.costs import _Allocations
+    from gpipe_core.planner import _Selective
+    from gpipe_core.stage import Stage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32),
+                          nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    x = torch.randn(16, 32)
+    costs = gp.layer_costs(model, x)
+    model_of = _Selective([(0, 6)], gp.fill_drain(1, 1), [[0]], [0.0], costs.forward_flops,
+                          [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes,
+                                                 strict=True)], costs.input_bytes,
+                          costs.backward_bytes, costs.output_bytes, {})
+    ratios = []
+    for count in range(7):
+        for kept in itertools.combinations(range(6), count):
+            stage = Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
+                          first_layer_index=0, device=torch.device("cpu"),
+                          checkpoint=gp.Remat([set(), kept, set()]), seed=0)
+            model.zero_grad(set_to_none=True)
+            stage.begin_step(0, 1)
+            grad = torch.ones(16, 32)
+            with _Allocations() as allocations:
+                stage.forward(0, 0, x.clone().requires_grad_())
+                stage.backward(0, 0, [grad])
+            measured = (allocations.peak([p.grad for p in model.parameters()])
+                        + grad.numel() * grad.element_size())
+            predicted = model_of.kept_bytes(0, set(kept)) + model_of.working(0, set(kept))
+            assert measured <= predicted <= 1.5 * measured, kept
+            ratios.append(predicted / measured)
+    assert min(ratios) == 1.0  # exact where the model's terms are all there is
