@@ -112,7 +112,8 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
     """The costs of a model counted with its loss as one more layer, the loss folded into the
     last layer: its compute added, what it saves (its input included) added to what that layer
     keeps, so a stage ending there holds it per micro-batch in flight (and recomputes it with
-    that layer); its backward's working bytes the larger of the two; its output the loss."""
+    that layer); its backward's working bytes the larger of the loss's and the layer's (less
+    what the loss saved, freed by then); its output the loss."""
     merged = {name: list(getattr(costs, name)[:-1]) for name in (
         "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
         "input_bytes", "output_bytes", "backward_bytes", "backward_fixed_bytes",
@@ -121,9 +122,14 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
                  "backward_ops"):
         merged[name][-1] += getattr(costs, name)[-1]
     merged["saved_bytes"][-1] += costs.saved_bytes[-1] + costs.saved_input_bytes[-1]
-    # the loss's backward runs first (the output's gradient), then the layer's, which receives it
-    for name in ("backward_bytes", "backward_fixed_bytes"):
-        merged[name][-1] = max(merged[name][-1], getattr(costs, name)[-1])
+    # The loss's backward runs first (the output's gradient), then the layer's, which receives
+    # it once the loss's saved tensors are freed: what the layer's own backward holds at once
+    # is above a kept count that still has them.
+    loss_saved = costs.saved_bytes[-1] + costs.saved_input_bytes[-1]
+    merged["backward_bytes"][-1] = max(merged["backward_bytes"][-1] - loss_saved,
+                                       costs.backward_bytes[-1])
+    merged["backward_fixed_bytes"][-1] = max(merged["backward_fixed_bytes"][-1],
+                                             costs.backward_fixed_bytes[-1])
     merged["output_bytes"][-1] = costs.output_bytes[-1]  # the last stage ends in the loss
     return gp.LayerCosts(batch_size=costs.batch_size, **merged)
 

@@ -148,11 +148,13 @@ class Channel:
         """Call before a burst of messages (gloo: finds the process's I/O threads anew)."""
         self.policy.refresh()
 
-    def send(self, tensor: Tensor, stage: int, tag: int) -> None:
+    def send(self, tensor: Tensor, stage: int, tag: int) -> Posted:
         """Send ``tensor`` (contiguous) to ``stage``; returns at once (:meth:`finish` waits).
 
-        Sends that have left by now free their buffers (else a step would hold every message
-        it sent until :meth:`finish`); one that failed raises here as it would there."""
+        Sends known to have left by now free their buffers (else a step would hold every
+        message it sent until :meth:`finish`); one that failed raises here as it would there.
+        A backend that learns of a send's end only by waiting for it (gloo) frees it at
+        :meth:`release`, which the owner calls once the peer has surely taken the message."""
         try:
             work = self.policy.call(dist.isend, tensor, self.stage_ranks[stage],
                                     self.tag_base + tag)
@@ -164,8 +166,19 @@ class Channel:
                 self._wait(sent, "sending to")
             else:
                 still.append(sent)
-        still.append(Posted(work, tensor, stage))
+        posted = Posted(work, tensor, stage)
+        still.append(posted)
         self._sends = still
+        return posted
+
+    def release(self, sends: Sequence[Posted]) -> None:
+        """Free these sends' buffers: the peer has taken them (a message it sent depends on
+        them), so each wait returns at once (at most ``timeout_s``)."""
+        done = {id(sent) for sent in sends}
+        for sent in sends:
+            if any(sent is mine for mine in self._sends):
+                self._wait(sent, "sending to")
+        self._sends = [sent for sent in self._sends if id(sent) not in done]
 
     def post(self, buffer: Tensor, stage: int, tag: int) -> Posted:
         """Post the receive into ``buffer`` (the message's exact size) of ``stage``'s message

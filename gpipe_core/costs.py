@@ -130,12 +130,28 @@ class _Allocations(TorchDispatchMode):
     """Every storage an operator creates inside the context, and when it is freed, in order:
     what was alive at once can be replayed afterwards, leaving out storages known only at the
     end (the parameters' gradients). A storage's key (its address) is reused once it is freed,
-    so each creation gets its own number."""
+    so each creation gets its own number. Storages that exist before (:meth:`hold`: what a
+    forward saved) count from the start, so freeing them inside lowers the count."""
 
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[int, int]] = []  # (number, +bytes) created, (number, 0) freed
         self._alive: dict[int, int] = {}  # storage key -> its creation's number
+        self._held = 0  # bytes alive at the start
+
+    def hold(self, tensors: list[Tensor]) -> None:
+        """Count these tensors' storages as alive from the start, until freed (call before the
+        context; pass the only other references, which the call drops)."""
+        while tensors:
+            storage = tensors.pop().untyped_storage()
+            key = int(storage._cdata)
+            if key in self._alive:
+                continue
+            number = len(self.events)
+            self._alive[key] = number
+            self.events.append((number, storage.nbytes()))
+            self._held += storage.nbytes()
+            weakref.finalize(storage, self._freed, key, number)
 
     def _freed(self, key: int, number: int) -> None:
         self.events.append((number, 0))
@@ -158,7 +174,8 @@ class _Allocations(TorchDispatchMode):
         return out
 
     def peak(self, excluded: Sequence[Tensor] = ()) -> int:
-        """The most bytes alive at once, the storages of ``excluded`` (alive now) left out."""
+        """The most bytes alive at once above what was held at the start, the storages of
+        ``excluded`` (alive now) left out."""
         left_out = {self._alive.get(_storage_key(t)) for t in excluded}
         sizes: dict[int, int] = {}
         current = peak = 0
@@ -171,7 +188,7 @@ class _Allocations(TorchDispatchMode):
                 peak = max(peak, current)
             else:
                 current -= sizes.pop(number, 0)
-        return peak
+        return peak - self._held
 
 
 class _SavedStorages:
@@ -188,6 +205,11 @@ class _SavedStorages:
             self.sizes[key] = tensor.untyped_storage().nbytes()
             self._alive.append(tensor)
         return tensor
+
+    def release(self) -> list[Tensor]:
+        """The saved tensors, one per storage; this object holds them no longer."""
+        alive, self._alive = self._alive, []
+        return alive
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -220,8 +242,10 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
             y = layer(x)
         outputs = [t for t in _tensors(y) if t.requires_grad]
         grads = [grad_of(t) for t in outputs]
-        with FlopCounterMode(display=False) as backward_count, backward_ops, \
-                _Allocations() as allocations:
+        # what the forward saved counts as held: the backward frees some of it on the way
+        allocations = _Allocations()
+        allocations.hold(saved.release())
+        with FlopCounterMode(display=False) as backward_count, backward_ops, allocations:
             if outputs:
                 torch.autograd.backward(outputs, grads)
     parameter_grads = [p.grad for p in layer.parameters() if p.grad is not None]

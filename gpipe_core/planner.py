@@ -193,6 +193,7 @@ def plan(
     boundary_bytes: Sequence[float] | None = None
     backward_bytes: Sequence[float] | None = None
     backward_fixed: Sequence[float] | None = None
+    own_saved: Sequence[float] | None = None
     if profiles:
         measured = _from_profiles(profiles)
         microbatch_costs = {**measured, **(microbatch_costs or {})}
@@ -229,6 +230,7 @@ def plan(
         boundary_bytes = whole.output_bytes
         backward_bytes = whole.backward_bytes or None  # None: costs counted before the field
         backward_fixed = whole.backward_fixed_bytes or None
+        own_saved = whole.saved_bytes
         if memory_budget is None:
             memory_budget = device.memory_bytes
     if (forward is None or backward is None or activation_bytes is None or input_bytes is None
@@ -269,7 +271,8 @@ def plan(
                     microbatch_costs=microbatch_costs, backward_weight=backward_weight,
                     backward_input=backward_input, checkpoints=checkpoints, stage_kept=stage_kept,
                     boundary_bytes=boundary_bytes, backward_bytes=backward_bytes,
-                    backward_fixed=backward_fixed, device=device, balance=balance)
+                    backward_fixed=backward_fixed, own_saved=own_saved, device=device,
+                    balance=balance)
                 plans += found
                 smallest = min(smallest, least)
     if not plans:
@@ -350,6 +353,7 @@ def _plans_for(
     balance: Sequence[int] | None = None,
     backward_bytes: Sequence[float] | None = None,
     backward_fixed: Sequence[float] | None = None,
+    own_saved: Sequence[float] | None = None,
 ) -> tuple[list[Plan], float]:
     """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
     the smallest peak memory of any of its configurations (fitting or not)."""
@@ -391,6 +395,9 @@ def _plans_for(
         acts = [(stage_kept(a, b) if stage_kept is not None
                  else per_stage(activation_bytes, a, b)) / m for a, b in stages]
         inputs = [input_bytes[a] / m for a, _ in stages]
+        # the messages a rank holds once sent (counted where the sizes come from costs)
+        outputs = (None if boundary_bytes is None
+                   else [boundary_bytes[b - 1] / m for _, b in stages])
         params = [per_stage(param_bytes, a, b) for a, b in stages]
         links: float | list[float] = transfer
         if boundary_bytes is not None and device is not None:
@@ -412,8 +419,10 @@ def _plans_for(
                 for b, fixed in zip(backward_bytes, backward_fixed or backward_bytes,
                                     strict=True)],
             [0.0] * len(forward) if boundary_bytes is None else [o / m for o in boundary_bytes],
+            None if own_saved is None else [o / m for o in own_saved],
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
-                 transfer=links, activation_bytes=acts, input_bytes=inputs))
+                 transfer=links, activation_bytes=acts, input_bytes=inputs,
+                 output_bytes=outputs))
         for checkpoint in checkpoints:
             if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
                 if isinstance(checkpoint, Remat):
@@ -430,16 +439,16 @@ def _plans_for(
                     plans.append(Plan(num_stages, m, str(choice), balance, sim.step_time,
                                       sim.bubble_fraction, peak, name, k, held, kept))
                 continue
-            sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
-                           transfer=links,
-                           checkpoint=checkpoint, activation_bytes=acts, input_bytes=inputs)
             # During a backward: one micro-batch's rebuilt activations if re-materialized (a
             # split backward's I keeps them until W; the simulation counts that), and the
             # backward's own gradients and temporaries.
             working = [selective.working(s, set(range(a, b)) if checkpoint == "never" else set())
                        for s, (a, b) in enumerate(stages)]
-            kept = [sim.peak_bytes[r] + max(working[s] for s in mine)
-                    for r, mine in enumerate(on_rank)]
+            sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
+                           transfer=links, checkpoint=checkpoint, activation_bytes=acts,
+                           input_bytes=inputs, output_bytes=outputs,
+                           backward_working_bytes=working)
+            kept = sim.peak_bytes
             peak = max(h + a for h, a in zip(held, kept, strict=True))
             smallest = min(smallest, peak)
             if peak <= memory_budget:
@@ -455,7 +464,8 @@ class _Selective:
                  on_rank: Sequence[Sequence[int]], held: Sequence[float],
                  layer_forward: Sequence[float], layer_bytes: Sequence[float],
                  layer_inputs: Sequence[float], layer_backward: Sequence[float],
-                 layer_outputs: Sequence[float], simulate_kwargs: dict[str, Any]) -> None:
+                 layer_outputs: Sequence[float], layer_own: Sequence[float] | None,
+                 simulate_kwargs: dict[str, Any]) -> None:
         self.stages = list(stages)
         self.actions = actions
         self.on_rank = on_rank
@@ -467,6 +477,8 @@ class _Selective:
         # receives, temporaries, its input's gradient), one micro-batch
         self.layer_backward = layer_backward
         self.layer_outputs = layer_outputs  # per layer: its output, one micro-batch
+        # per layer: what it saves of its own making (not its inputs), one micro-batch
+        self.layer_own = layer_own
         self.simulate_kwargs = simulate_kwargs
 
     def _runs(self, s: int, keep: set[int]) -> list[list[int]]:
@@ -485,10 +497,32 @@ class _Selective:
     def kept_bytes(self, s: int, keep: set[int]) -> float:
         """One micro-batch's bytes kept by stage s: its kept layers' activations and the input
         of each recomputed run (the stage's input counts in its first layer's activations when
-        that is kept: keeping all is ``"never"``'s size, keeping none ``"always"``'s)."""
+        that is kept: keeping all is ``"never"``'s size, keeping none ``"always"``'s). Where
+        the layers' own saved bytes are known (costs counted on meta), a run of kept layers
+        holds its whole input too, not only what its first layer saves of it (a cell that
+        reads the two previous outputs saves neither whole)."""
         a, b = self.stages[s]
-        return (sum(self.layer_bytes[i] for i in keep if a <= i < b)
-                + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)))
+        if self.layer_own is None:
+            return (sum(self.layer_bytes[i] for i in keep if a <= i < b)
+                    + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)))
+        total = 0.0
+        for run in self._all_runs(s, keep):
+            total += self.layer_inputs[run[0]]
+            if run[0] in keep:  # its layers' activations, its first one's inputs counted above
+                total += sum(self.layer_bytes[i] for i in run) - (
+                    self.layer_bytes[run[0]] - self.layer_own[run[0]])
+        return total
+
+    def _all_runs(self, s: int, keep: set[int]) -> list[list[int]]:
+        """Stage s's maximal runs of kept or of recomputed layers, in order."""
+        a, b = self.stages[s]
+        runs: list[list[int]] = []
+        for i in range(a, b):
+            if runs and (runs[-1][-1] in keep) == (i in keep):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
 
     def working(self, s: int, keep: set[int]) -> float:
         """What stage s's backward of one micro-batch adds to what its micro-batches keep, at
@@ -499,18 +533,19 @@ class _Selective:
         rebuilt activations up to the layer (a fused backward rebuilds one run at a time and
         frees each layer's as it passes it; a split backward's I keeps them all until W, which
         the simulation counts), and the layer's own backward (the gradient it receives,
-        temporaries, its input's gradient). What the backward frees of the micro-batch's kept
-        activations on the way is not subtracted: a layer's saved tensors may be another's
-        input (AmoebaNet's cells read the two previous outputs), so the count stays an upper
-        bound."""
+        temporaries, its input's gradient); less what the kept layers it has passed saved of
+        their own making (their intermediates and outputs, which only later layers read: all
+        passed by then). What they saved of their inputs is not subtracted (an earlier layer
+        may still hold it: AmoebaNet's cells read the two previous outputs), nor the stage's
+        last layer's (its output is held to the end), so the count stays an upper bound; it
+        may be negative (the kept bytes it adds to count the whole micro-batch)."""
         a, b = self.stages[s]
-        runs: list[list[int]] = []
-        for i in range(a, b):
-            if runs and (runs[-1][-1] in keep) == (i in keep):
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        most = 0.0
+        runs = self._all_runs(s, keep)
+        # what the kept layers from i on saved of their own making, the stage's last left out
+        own = [self.layer_own[i] if self.layer_own is not None and i in keep and i < b - 1
+               else 0.0 for i in range(a, b)]
+        passed_from = [sum(own[j - a:]) for j in range(a, b + 1)]
+        most = -float("inf")
         for run in runs:
             last = run[-1]
             rebuilt = last not in keep and not self.actions.splits_backward
@@ -522,7 +557,7 @@ class _Selective:
                 # the run's received gradient, in the layer's own count at the run's end
                 received = 0.0 if i == last else self.layer_outputs[last]
                 most = max(most, partial + self.layer_backward[i] + self.layer_outputs[last]
-                           + received + stage_received)
+                           + received + stage_received - passed_from[i + 1 - a])
         return most
 
     def evaluate(self, keep: Sequence[set[int]]) -> tuple[Simulation, list[float]]:
@@ -531,11 +566,10 @@ class _Selective:
                      for s, (a, b) in enumerate(self.stages)]
         sim = simulate(self.actions, checkpoint="always", recompute=recompute,
                        kept_bytes=[self.kept_bytes(s, keep[s]) for s in range(len(self.stages))],
+                       backward_working_bytes=[self.working(s, keep[s])
+                                               for s in range(len(self.stages))],
                        **self.simulate_kwargs)
-        working = [self.working(s, keep[s]) for s in range(len(self.stages))]
-        kept = [sim.peak_bytes[r] + max((working[s] for s in mine), default=0.0)
-                for r, mine in enumerate(self.on_rank)]
-        return sim, kept
+        return sim, sim.peak_bytes
 
     def choose(self, budget: float) -> list[set[int]]:
         """Kept layers per stage: the best of two greedy passes (layers recomputed by bytes

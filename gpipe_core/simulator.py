@@ -53,6 +53,7 @@ def simulate(
     gradient_bytes: Sequence[float] | None = None,
     working_bytes: Sequence[float] | None = None,
     kept_bytes: Sequence[float] | None = None,
+    backward_working_bytes: Sequence[float] | None = None,
     per_round: bool = False,
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
@@ -83,12 +84,16 @@ def simulate(
     of the recomputed runs, with ``recompute[s]`` the forward of the recomputed layers only.
     Optional, for a rank's whole tensor memory in a step: ``output_bytes[s]``, the message stage
     s sends downstream (its input gradient, sent upstream, is ``input_bytes[s]``; a rank holds
-    the newest message it sent to another rank: the transport frees a send's buffer once it
-    has left, which it checks at the next send); ``gradient_bytes[s]``, its parameters'
-    gradients, held from its first B or W on; ``working_bytes[s]``, the most one of its actions
+    the messages it sent to another rank as the transport does: an activation until the
+    gradient of its micro-batch, or of a later one, comes back; an input gradient until the
+    step ends, as nothing the previous stage sends later in the step shows it was taken);
+    ``gradient_bytes[s]``, its parameters' gradients, held from its first B or W on; ``working_bytes[s]``, the most one of its actions
     adds while it runs above what the rank holds for the other micro-batches, this one's input
     included (a re-materialized backward's recomputed activations are in it). Without
-    ``working_bytes`` the peak is taken between actions only.
+    ``working_bytes`` the peak is taken between actions only. ``backward_working_bytes[s]``:
+    the most a B (or I) of stage s adds while it runs to what the rank holds just before it
+    (that micro-batch's kept bytes included, the activations its gradient answered freed):
+    what a plan counts from per-layer costs, where ``working_bytes`` is measured per action.
 
     ``per_round`` (with a profile): simulate each of the profile's timed rounds with that
     round's own costs (:meth:`~gpipe_core.stage_profile.StageProfile.round`) and return the round
@@ -110,7 +115,8 @@ def simulate(
                                 forward_no_grad=forward_no_grad,
                                 activation_bytes=activation_bytes, input_bytes=input_bytes,
                                 output_bytes=output_bytes, gradient_bytes=gradient_bytes,
-                                working_bytes=working_bytes, kept_bytes=kept_bytes)
+                                working_bytes=working_bytes, kept_bytes=kept_bytes,
+                                backward_working_bytes=backward_working_bytes)
                        for r in range(rounds)),
                       key=lambda sim: sim.step_time)
         return runs[(rounds - 1) // 2]
@@ -138,7 +144,8 @@ def simulate(
             raise ValueError(f"{name} has {len(values)} costs for {k} stages; give one per stage")
     for name, values in (("activation_bytes", activation_bytes), ("input_bytes", input_bytes),
                          ("output_bytes", output_bytes), ("gradient_bytes", gradient_bytes),
-                         ("working_bytes", working_bytes), ("kept_bytes", kept_bytes)):
+                         ("working_bytes", working_bytes), ("kept_bytes", kept_bytes),
+                         ("backward_working_bytes", backward_working_bytes)):
         if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} sizes for {k} stages; give one per stage")
     costs = {"F": list(forward_costs), **_backward_costs(backward, backward_input, backward_weight)}
@@ -161,7 +168,7 @@ def simulate(
     peak_inflight = [0] * ranks
     memory = [_RankMemory() for _ in range(ranks)]
     sizes = _Sizes(activation_bytes, input_bytes, output_bytes, gradient_bytes, working_bytes,
-                   kept_bytes)
+                   kept_bytes, backward_working_bytes)
     total = sum(len(row) for row in schedule.actions)
     done = 0
     while done < total:
@@ -191,7 +198,8 @@ def simulate(
                 sends_to_other_rank = (
                     (action.kind == "F" and s + 1 < k and placement[s + 1] != placement[s])
                     or (action.kind in "BI" and s > 0 and placement[s - 1] != placement[s]))
-                memory[r].run(action.kind, s, rematerialized, sizes, sends_to_other_rank)
+                memory[r].run(action.kind, s, action.mb, rematerialized, sizes,
+                              sends_to_other_rank)
                 cursor[r] += 1
                 done += 1
                 progressed = True
@@ -234,6 +242,7 @@ class _Sizes:
     gradient: Sequence[float] | None
     working: Sequence[float] | None
     selective: Sequence[float] | None = None  # kept when re-materialized, if not the input
+    backward_working: Sequence[float] | None = None  # a B or I's own, above all held
 
     def kept(self, s: int, rematerialized: bool) -> float:
         """What stage s keeps for one micro-batch from its F until its B (or I, then W)."""
@@ -254,14 +263,25 @@ class _RankMemory:
     """One rank's tensor bytes as its actions run, and their peak."""
 
     kept: float = 0.0  # the pending micro-batches' activations (or inputs, re-materialized)
-    sent: float = 0.0  # the newest message sent to another rank
+    # messages sent to another rank and still held: activations by (stage, micro-batch), until
+    # that micro-batch's gradient (or a later one's) comes back; input gradients, to the end
+    sent_activations: dict[tuple[int, int], float] = field(default_factory=dict)
+    sent_gradients: float = 0.0
     gradients: float = 0.0  # the gradients of its stages that have run a backward
     stages_with_gradients: set[int] = field(default_factory=set)
     peak: float = 0.0
 
-    def run(self, kind: str, s: int, rematerialized: bool, sizes: _Sizes,
+    @property
+    def sent(self) -> float:
+        return sum(self.sent_activations.values()) + self.sent_gradients
+
+    def run(self, kind: str, s: int, mb: int, rematerialized: bool, sizes: _Sizes,
             sends_to_other_rank: bool) -> None:
-        """Account for one action of stage s: its peak while it runs, then what it leaves."""
+        """Account for one action of stage s on micro-batch mb: its peak while it runs, then
+        what it leaves."""
+        if kind in "BI":  # its gradient came back: the activations it answers were taken
+            for key in [key for key in self.sent_activations if key[0] == s and key[1] <= mb]:
+                del self.sent_activations[key]
         # What this micro-batch holds when the action starts: nothing before its F; after an
         # I, the graph I rebuilt (activation bytes), which W frees.
         held = sizes.kept(s, rematerialized)
@@ -271,6 +291,9 @@ class _RankMemory:
             before = sizes.kept(s, False)
         else:
             before = held
+        if kind in "BI" and sizes.backward_working is not None:  # everything held, and its work
+            self.peak = max(self.peak, self.kept + self.sent + self.gradients
+                            + sizes.backward_working[s])
         if sizes.working is not None:  # during the action: the others, its input, its work
             self.peak = max(self.peak, self.kept - before + sizes.received(s) + self.sent
                             + self.gradients + sizes.working[s])
@@ -285,7 +308,10 @@ class _RankMemory:
             self.gradients += sizes.gradient[s]
         if sends_to_other_rank and sizes.output is not None:
             # F sends the output downstream; B or I the input gradient, of the input's size.
-            self.sent = sizes.output[s] if kind == "F" else sizes.received(s)
+            if kind == "F":
+                self.sent_activations[(s, mb)] = sizes.output[s]
+            else:
+                self.sent_gradients += sizes.received(s)
         self.peak = max(self.peak, self.kept + self.sent + self.gradients)
 
 

@@ -242,6 +242,8 @@ class DistributedTransport(Transport):
         self._num_microbatches = 0
         self._first_activation: tuple[Any] | None = None  # read by recv_step, not yet taken
         self._carried = math.nan
+        # the sends of each activation not yet known taken: (micro-batch, its messages)
+        self._sent_activations: list[tuple[int, list[Posted]]] = []
 
     # -- the step --------------------------------------------------------------------------
 
@@ -260,6 +262,7 @@ class DistributedTransport(Transport):
         each neighbour and, with ``policy.post_early``, posts the first receive of each."""
         self._step, self._num_microbatches = step, num_microbatches
         self._carried = math.nan
+        self._sent_activations = []  # the channel's finish() waited for the last step's
         self._name_step(step)
         self.policy.refresh()
         last = len(self.stage_ranks) - 1
@@ -276,7 +279,9 @@ class DistributedTransport(Transport):
                 link.posted = self._post_recv(stage, link.predicted)
 
     def send_activation(self, mb: int, payload: Any) -> None:
-        self._send(self.stage_index + 1, payload, math.nan)
+        sends = self._send(self.stage_index + 1, payload, math.nan)
+        if sends:
+            self._sent_activations.append((mb, sends))
 
     def recv_activation(self, mb: int) -> Any:
         if self._first_activation is not None:
@@ -288,12 +293,22 @@ class DistributedTransport(Transport):
         self._send(self.stage_index - 1, grads, carry)
 
     def recv_gradient(self, mb: int) -> Grads:
-        return self._recv(self.stage_index + 1)  # type: ignore[no-any-return]
+        grads = self._recv(self.stage_index + 1)
+        # The next stage ran micro-batch mb's backward after the forwards of every micro-batch
+        # up to mb (each stage runs its forwards in order), so it has taken those activations:
+        # their buffers go now, not at the step's end (a backend such as gloo learns of a
+        # send's end only by waiting for it).
+        taken = [sends for m, sends in self._sent_activations if m <= mb]
+        if taken:
+            self._sent_activations = [(m, s) for m, s in self._sent_activations if m > mb]
+            self.channels[self.stage_index + 1].release([p for sends in taken for p in sends])
+        return grads  # type: ignore[no-any-return]
 
     def carried(self) -> float:
         return self._carried
 
     def finish(self) -> None:
+        self._sent_activations = []
         for channel in self.channels.values():
             channel.finish()
 
@@ -322,10 +337,11 @@ class DistributedTransport(Transport):
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.channels[stage].post(buffer, stage, self._tag(stage))
 
-    def _send(self, stage: int, payload: Any, carry: float) -> None:
+    def _send(self, stage: int, payload: Any, carry: float) -> list[Posted]:
+        """The message's sends (none to a neighbour on this rank)."""
         if self._is_local(stage):  # the neighbour runs on this rank: no message
             self.local.setdefault((self.stage_index, stage), []).append((payload, carry))
-            return
+            return []
         link = self._send_links.get(stage)
         if link is None:
             link = self._send_links[stage] = _Link()
@@ -335,12 +351,14 @@ class DistributedTransport(Transport):
             device=self.device, carry=carry, previous_skeleton=link.skeleton,
         )
         size = buffer.numel()
+        sends = []
         if size != link.predicted:  # announce the new size in a message of the old one
-            channel.send(wire.pack_resize(link.predicted, size, step=self._step,
-                                          num_microbatches=self._num_microbatches,
-                                          device=self.device), stage, tag)
+            sends.append(channel.send(wire.pack_resize(
+                link.predicted, size, step=self._step, num_microbatches=self._num_microbatches,
+                device=self.device), stage, tag))
             link.predicted = size
-        channel.send(buffer, stage, tag)
+        sends.append(channel.send(buffer, stage, tag))
+        return sends
 
     def _recv(self, stage: int) -> Any:
         if self._is_local(stage):

@@ -178,14 +178,22 @@ def test_identical_layers_counted_once_give_the_full_count() -> None:
 
 
 def _backward_peak_on_cpu(layer: nn.Module, x: Tensor) -> tuple[int, int]:
-    """(the most bytes one backward of ``layer`` on real tensors holds at once in storages it
-    creates, its received gradient included; the bytes of the parameter gradients it left)."""
+    """(the most bytes one backward of ``layer`` on real tensors holds at once above what its
+    forward saved, its received gradient included; the bytes of the parameter gradients it
+    left)."""
     from gpipe_core.costs import _Allocations
 
     x = x.detach().requires_grad_(True)
-    y = layer(x)
+    saved: list[Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
     grad = torch.ones_like(y)
-    with _Allocations() as allocations:
+    allocations = _Allocations()  # what the forward saved counts from the start
+    allocations.hold([t for t in saved if not any(t.untyped_storage()._cdata
+                                                  == p.untyped_storage()._cdata
+                                                  for p in layer.parameters())])
+    saved.clear()
+    with allocations:
         y.backward(grad)
     grads = [p.grad for p in layer.parameters() if p.grad is not None]
     return (allocations.peak() + grad.numel() * grad.element_size(),

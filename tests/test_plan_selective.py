@@ -182,7 +182,7 @@ def test_the_memory_model_is_what_a_stage_holds() -> None:
     model_of = _Selective([(0, 6)], gp.fill_drain(1, 1), [[0]], [0.0], costs.forward_flops,
                           [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes,
                                                  strict=True)], costs.input_bytes,
-                          costs.backward_bytes, costs.output_bytes, {})
+                          costs.backward_bytes, costs.output_bytes, costs.saved_bytes, {})
     for count in range(7):
         for kept in itertools.combinations(range(6), count):
             stage = Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
@@ -219,7 +219,7 @@ def test_the_backward_of_any_choice_stays_within_the_planned_working_bytes() -> 
     model_of = _Selective([(0, 6)], gp.fill_drain(1, 1), [[0]], [0.0], costs.forward_flops,
                           [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes,
                                                  strict=True)], costs.input_bytes,
-                          costs.backward_bytes, costs.output_bytes, {})
+                          costs.backward_bytes, costs.output_bytes, costs.saved_bytes, {})
     ratios = []
     for count in range(7):
         for kept in itertools.combinations(range(6), count):

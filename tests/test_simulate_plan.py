@@ -60,8 +60,9 @@ def test_memory_walk_counts_messages_gradients_and_working_bytes() -> None:
                  gradient_bytes=[5, 3], working_bytes=[12, 25])
     schedule = gp.fill_drain(2, 2)  # F0 F1 B1 B0 on each stage
     # Stage 0 without re-materialization: F0 peaks at 12, then holds 10 + its message (1); F1
-    # peaks at 11 + 12 = 23 and holds 20 + 1 (only the newest message); B1: 21 - 10 + 12 = 23;
-    # then 10 + 1 + 5 gradients; B0: 16 - 10 + 12 = 18.
+    # peaks at 11 + 12 = 23 and holds 20 + 2 (both messages, until their gradients come back);
+    # B1 (the gradient of micro-batch 1 answers both): 20 - 10 + 12 = 22; then 10 + 5
+    # gradients; B0: 15 - 10 + 12 = 17.
     # Stage 1: F0 1 + 25 = 26, holds 21; F1 21 + 1 + 25 = 47, holds 42; B1 peaks at
     # 42 - 20 + 25 = 47; afterwards 21 + 1 sent + 3 grads = 25; B0: 25 - 20 + 25 = 30.
     assert simulate(schedule, [1.0, 1.0], [2.0, 2.0], **sizes).peak_bytes == [23, 47]
@@ -71,6 +72,19 @@ def test_memory_walk_counts_messages_gradients_and_working_bytes() -> None:
     assert always.peak_bytes[1] == 30
     with pytest.raises(ValueError, match="output_bytes has 1 sizes for 2 stages"):
         simulate(schedule, [1.0, 1.0], [2.0, 2.0], output_bytes=[1.0])
+
+
+def test_a_rank_holds_its_sent_activations_until_their_gradients_come_back() -> None:
+    """As the transport does: under fill-drain the first stage holds every activation it sent
+    until the backward (4 x 10 kept + 4 x 1 sent); the last holds the input gradients it sent
+    to the step's end (its 4 x 2 kept between forwards and backwards, 4 x 1 sent after)."""
+    sizes = dict(activation_bytes=[10, 2], input_bytes=[0, 1], output_bytes=[1, 0])
+    sim = simulate(gp.fill_drain(2, 4), [1.0, 1.0], [2.0, 2.0], **sizes)  # type: ignore[arg-type]
+    assert sim.peak_bytes == [44, 8]
+    # 1F1B: micro-batch 0's gradient returns before the fourth forward is sent, so the first
+    # stage holds at most two activations and two messages at once
+    sim = simulate(gp.one_f_one_b(2, 4), [1.0, 1.0], [2.0, 2.0], **sizes)  # type: ignore[arg-type]
+    assert sim.peak_bytes[0] == 22
 
 
 def test_transfer_time_delays_dependent_actions() -> None:
