@@ -397,8 +397,9 @@ def stage_memory(model: nn.Sequential, balance: list[int], inputs: Any, targets:
 
 def memory_sizes(stages: list[StageMemory]) -> dict[str, list[float]]:
     """:class:`StageMemory` as ``gp.simulate``'s sizes: per pending micro-batch a stage keeps
-    its received input and, unless re-materialized, its saved tensors; the newest message it
-    sent; its gradients from its first backward on; and during an action that action's extra."""
+    its received input and, unless re-materialized, its saved tensors; the messages it sent
+    (held as the transport holds them, see ``gp.simulate``); its gradients from its first
+    backward on; and during an action that action's extra."""
     return {"activation_bytes": [st.saved + st.received for st in stages],
             "input_bytes": [st.received for st in stages],
             "output_bytes": [st.sent for st in stages],
