@@ -175,10 +175,13 @@ class Channel:
         """Free these sends' buffers: the peer has taken them (a message it sent depends on
         them), so each wait returns at once (at most ``timeout_s``)."""
         done = {id(sent) for sent in sends}
-        for sent in sends:
-            if any(sent is mine for mine in self._sends):
+        still = []
+        for sent in self._sends:
+            if id(sent) in done:
                 self._wait(sent, "sending to")
-        self._sends = [sent for sent in self._sends if id(sent) not in done]
+            else:
+                still.append(sent)
+        self._sends = still
 
     def post(self, buffer: Tensor, stage: int, tag: int) -> Posted:
         """Post the receive into ``buffer`` (the message's exact size) of ``stage``'s message

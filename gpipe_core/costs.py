@@ -144,14 +144,16 @@ class _Allocations(TorchDispatchMode):
         context; pass the only other references, which the call drops)."""
         while tensors:
             storage = tensors.pop().untyped_storage()
-            key = int(storage._cdata)
-            if key in self._alive:
-                continue
-            number = len(self.events)
-            self._alive[key] = number
-            self.events.append((number, storage.nbytes()))
-            self._held += storage.nbytes()
-            weakref.finalize(storage, self._freed, key, number)
+            if int(storage._cdata) not in self._alive:
+                self._track(storage)
+                self._held += storage.nbytes()
+
+    def _track(self, storage: Any) -> None:
+        """A new storage: numbered, sized, and its freeing recorded when it happens."""
+        key, number = int(storage._cdata), len(self.events)
+        self._alive[key] = number
+        self.events.append((number, storage.nbytes()))
+        weakref.finalize(storage, self._freed, key, number)
 
     def _freed(self, key: int, number: int) -> None:
         self.events.append((number, 0))
@@ -164,13 +166,9 @@ class _Allocations(TorchDispatchMode):
         # a view or an in-place result shares an argument's storage: nothing new
         given = {_storage_key(t) for t in _tensors((args, kwargs))}
         for t in _tensors(out):
-            storage = t.untyped_storage()
-            key = int(storage._cdata)
+            key = _storage_key(t)
             if key not in self._alive and key not in given:
-                number = len(self.events)
-                self._alive[key] = number
-                self.events.append((number, storage.nbytes()))
-                weakref.finalize(storage, self._freed, key, number)
+                self._track(t.untyped_storage())
         return out
 
     def peak(self, excluded: Sequence[Tensor] = ()) -> int:

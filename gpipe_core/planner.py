@@ -229,7 +229,7 @@ def plan(
         stage_kept = whole.kept_bytes
         boundary_bytes = whole.output_bytes
         backward_bytes = whole.backward_bytes or None  # None: costs counted before the field
-        backward_fixed = whole.backward_fixed_bytes or None
+        backward_fixed = whole.backward_fixed_bytes or [0.0] * len(whole.backward_bytes)
         own_saved = whole.saved_bytes
         if memory_budget is None:
             memory_budget = device.memory_bytes
@@ -414,10 +414,8 @@ def _plans_for(
         selective = _Selective(
             stages, actions, on_rank, held, layer_forward,
             [a / m for a in activation_bytes], [i / m for i in input_bytes],
-            [0.0] * len(forward) if backward_bytes is None else [
-                b / m + (0.0 if backward_fixed is None else fixed)
-                for b, fixed in zip(backward_bytes, backward_fixed or backward_bytes,
-                                    strict=True)],
+            [0.0] * len(forward) if backward_bytes is None or backward_fixed is None else [
+                b / m + fixed for b, fixed in zip(backward_bytes, backward_fixed, strict=True)],
             [0.0] * len(forward) if boundary_bytes is None else [o / m for o in boundary_bytes],
             None if own_saved is None else [o / m for o in own_saved],
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
@@ -482,13 +480,12 @@ class _Selective:
         self.simulate_kwargs = simulate_kwargs
 
     def _runs(self, s: int, keep: set[int]) -> list[list[int]]:
-        """Stage s's maximal runs of recomputed layers (global indices)."""
+        """Stage s's maximal runs of kept or of recomputed layers (global indices), in order:
+        the runs the stage's selective forward and backward go through."""
         a, b = self.stages[s]
         runs: list[list[int]] = []
         for i in range(a, b):
-            if i in keep:
-                continue
-            if runs and runs[-1][-1] == i - 1:
+            if runs and (runs[-1][-1] in keep) == (i in keep):
                 runs[-1].append(i)
             else:
                 runs.append([i])
@@ -504,25 +501,15 @@ class _Selective:
         a, b = self.stages[s]
         if self.layer_own is None:
             return (sum(self.layer_bytes[i] for i in keep if a <= i < b)
-                    + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)))
+                    + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)
+                          if run[0] not in keep))
         total = 0.0
-        for run in self._all_runs(s, keep):
+        for run in self._runs(s, keep):
             total += self.layer_inputs[run[0]]
             if run[0] in keep:  # its layers' activations, its first one's inputs counted above
                 total += sum(self.layer_bytes[i] for i in run) - (
                     self.layer_bytes[run[0]] - self.layer_own[run[0]])
         return total
-
-    def _all_runs(self, s: int, keep: set[int]) -> list[list[int]]:
-        """Stage s's maximal runs of kept or of recomputed layers, in order."""
-        a, b = self.stages[s]
-        runs: list[list[int]] = []
-        for i in range(a, b):
-            if runs and (runs[-1][-1] in keep) == (i in keep):
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        return runs
 
     def working(self, s: int, keep: set[int]) -> float:
         """What stage s's backward of one micro-batch adds to what its micro-batches keep, at
@@ -540,7 +527,7 @@ class _Selective:
         last layer's (its output is held to the end), so the count stays an upper bound; it
         may be negative (the kept bytes it adds to count the whole micro-batch)."""
         a, b = self.stages[s]
-        runs = self._all_runs(s, keep)
+        runs = self._runs(s, keep)
         # what the kept layers from i on saved of their own making, the stage's last left out
         own = [self.layer_own[i] if self.layer_own is not None and i in keep and i < b - 1
                else 0.0 for i in range(a, b)]

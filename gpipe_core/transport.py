@@ -262,7 +262,6 @@ class DistributedTransport(Transport):
         each neighbour and, with ``policy.post_early``, posts the first receive of each."""
         self._step, self._num_microbatches = step, num_microbatches
         self._carried = math.nan
-        self._sent_activations = []  # the channel's finish() waited for the last step's
         self._name_step(step)
         self.policy.refresh()
         last = len(self.stage_ranks) - 1

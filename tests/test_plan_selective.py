@@ -164,15 +164,9 @@ def test_selective_from_costs_counted_on_meta() -> None:
     assert 0 < sum(map(len, kept)) < len(model)
 
 
-def test_the_memory_model_is_what_a_stage_holds() -> None:
-    """For every choice of kept layers of a stage, the bytes it holds between forward and
-    backward (live tensor storage, its input included) equal the planner's per-micro-batch
-    model from :func:`gp.layer_costs`, plus the stage's output when its last layer is kept (a
-    kept run holds its outputs as its backward's roots; the model, like ``"never"``'s, leaves
-    out an output its layer does not save)."""
+def _six_layer_stage() -> tuple[nn.Sequential, torch.Tensor, gp.LayerCosts, Any]:
+    """Six layers as one stage: the model, a batch, its costs and the planner's model of it."""
     from gpipe_core.planner import _Selective
-    from gpipe_core.stage import Stage
-    from scripts.harness import LiveTensorBytes
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32),
@@ -183,11 +177,30 @@ def test_the_memory_model_is_what_a_stage_holds() -> None:
                           [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes,
                                                  strict=True)], costs.input_bytes,
                           costs.backward_bytes, costs.output_bytes, costs.saved_bytes, {})
+    return model, x, costs, model_of
+
+
+def _stage_keeping(model: nn.Sequential, kept: tuple[int, ...]) -> Any:
+    """The six layers as a middle stage that keeps the activations of layers ``kept``."""
+    from gpipe_core.stage import Stage
+
+    return Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
+                 first_layer_index=0, device=torch.device("cpu"),
+                 checkpoint=gp.Remat([set(), kept, set()]), seed=0)
+
+
+def test_the_memory_model_is_what_a_stage_holds() -> None:
+    """For every choice of kept layers of a stage, the bytes it holds between forward and
+    backward (live tensor storage, its input included) equal the planner's per-micro-batch
+    model from :func:`gp.layer_costs`, plus the stage's output when its last layer is kept (a
+    kept run holds its outputs as its backward's roots; the model, like ``"never"``'s, leaves
+    out an output its layer does not save)."""
+    from scripts.harness import LiveTensorBytes
+
+    model, x, costs, model_of = _six_layer_stage()
     for count in range(7):
         for kept in itertools.combinations(range(6), count):
-            stage = Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
-                          first_layer_index=0, device=torch.device("cpu"),
-                          checkpoint=gp.Remat([set(), kept, set()]), seed=0)
+            stage = _stage_keeping(model, kept)
             stage.begin_step(0, 1)
             with LiveTensorBytes([x, *model.parameters()]) as live:
                 out = stage.forward(0, 0, x.clone().requires_grad_())
@@ -204,28 +217,16 @@ def test_the_backward_of_any_choice_stays_within_the_planned_working_bytes() -> 
     gradients left to the optimizer's memory) is at most the planner's kept bytes plus its
     backward's working bytes (:meth:`_Selective.working`), and at most half above it: the
     model never under-counts, which would let a plan overrun its budget, and is exact where its
-    terms are all there is; it over-counts where the backward frees kept activations on the way,
-    which it does not subtract. (It fails when a run's spent outputs and gradients are held
+    terms are all there is; it over-counts where the backward frees kept activations on the way
+    that it does not subtract (what a layer saved of its inputs). (It fails when a run's spent outputs and gradients are held
     until the stage's backward ends.)"""
     from gpipe_core.costs import _Allocations
-    from gpipe_core.planner import _Selective
-    from gpipe_core.stage import Stage
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32),
-                          nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
-    x = torch.randn(16, 32)
-    costs = gp.layer_costs(model, x)
-    model_of = _Selective([(0, 6)], gp.fill_drain(1, 1), [[0]], [0.0], costs.forward_flops,
-                          [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes,
-                                                 strict=True)], costs.input_bytes,
-                          costs.backward_bytes, costs.output_bytes, costs.saved_bytes, {})
+    model, x, costs, model_of = _six_layer_stage()
     ratios = []
     for count in range(7):
         for kept in itertools.combinations(range(6), count):
-            stage = Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
-                          first_layer_index=0, device=torch.device("cpu"),
-                          checkpoint=gp.Remat([set(), kept, set()]), seed=0)
+            stage = _stage_keeping(model, kept)
             model.zero_grad(set_to_none=True)
             stage.begin_step(0, 1)
             grad = torch.ones(16, 32)
