@@ -218,8 +218,8 @@ def test_the_backward_of_any_choice_stays_within_the_planned_working_bytes() -> 
     backward's working bytes (:meth:`_Selective.working`), and at most half above it: the
     model never under-counts, which would let a plan overrun its budget, and is exact where its
     terms are all there is; it over-counts where the backward frees kept activations on the way
-    that it does not subtract (what a layer saved of its inputs). (It fails when a run's spent outputs and gradients are held
-    until the stage's backward ends.)"""
+    that it does not subtract (what a layer saved of its inputs). (It fails when a run's spent
+    outputs and gradients are held until the stage's backward ends.)"""
     from gpipe_core.costs import _Allocations
 
     model, x, costs, model_of = _six_layer_stage()
