@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gpipe_core as gp
 from apps.config import ConfigError
 from gpipe_core.costs import structural_key
+from gpipe_core.microbatch import map_tensors
 
 GiB = 2**30
 
@@ -46,6 +48,9 @@ class AppModel:
     # for every micro-batch in flight (the NMT's log-probabilities over the vocabulary); None:
     # the layers alone
     loss: Callable[[Any], torch.Tensor] | None = None
+    # n real inputs (random images, tokens that are not padding), for timing the model on
+    # the machine that runs it (``measured_profile``); None: the model is only counted
+    example: Callable[[int], Any] | None = None
 
 
 def parser(app: str) -> argparse.ArgumentParser:
@@ -108,6 +113,10 @@ def _counted(model: AppModel, depth: int, dtype: torch.dtype) -> gp.LayerCosts:
     return with_loss(costs)
 
 
+_TRAFFIC = ("forward_traffic_bytes", "backward_traffic_bytes", "forward_traffic_fixed_bytes",
+            "backward_traffic_fixed_bytes")
+
+
 def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
     """The costs of a model counted with its loss as one more layer, the loss folded into the
     last layer: its compute added, what it saves (its input included) added to what that layer
@@ -117,9 +126,9 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
     merged = {name: list(getattr(costs, name)[:-1]) for name in (
         "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
         "input_bytes", "output_bytes", "backward_bytes", "backward_fixed_bytes",
-        "forward_flops", "backward_flops", "forward_ops", "backward_ops")}
+        "forward_flops", "backward_flops", "forward_ops", "backward_ops", *_TRAFFIC)}
     for name in ("param_count", "param_bytes", "forward_flops", "backward_flops", "forward_ops",
-                 "backward_ops"):
+                 "backward_ops", *_TRAFFIC):
         merged[name][-1] += getattr(costs, name)[-1]
     merged["saved_bytes"][-1] += costs.saved_bytes[-1] + costs.saved_input_bytes[-1]
     # The loss's backward runs first (the output's gradient), then the layer's, which receives
@@ -223,12 +232,17 @@ def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
 # A train run's per-rank memory budget (``memory_budget_mb``)
 
 MiB = 2**20
-# One core of the CPU the apps train on, for gp.plan's time model: a single-thread fp32 matmul
-# of 256-512 squared ran at 40 GFLOP/s (AMD EPYC, torch 1 thread), a tiny operator took 5.5 us
-# (measured 2027-01 on the project's machine). It ranks the choices; the budget is bytes.
-CPU_CORE = gp.Device("cpu_core", memory_bytes=64 * GiB, peak_flops=80e9, achievable=0.5,
-                     op_overhead=5.5e-6, link_bandwidth=2e9, link_latency=50e-6,
-                     source="measured: 1-thread fp32 matmul 40 GFLOP/s, 5.5 us per tiny op")
+# One core of the CPU the apps train on, for gp.plan's time model, measured with one thread by
+# scripts/measure_cpu_core.py (docs/reproduction/cpu_core.json; tests/scripts/
+# test_measure_cpu_core.py keeps the two equal): fp32 matmul at half of peak_flops, the cost of
+# a tiny operator, the median bandwidth of element-wise, normalisation and pooling layers. The
+# link is an assumption (gloo over loopback). It ranks the choices; the budget is bytes.
+CPU_CORE = gp.Device("cpu_core", memory_bytes=64 * GiB, peak_flops=352.2e9, achievable=0.5,
+                     op_overhead=0.89e-6, memory_bandwidth=13.0e9, link_bandwidth=2e9,
+                     link_latency=50e-6,
+                     source="measured (docs/reproduction/cpu_core.json) on Intel(R) Xeon(R) "
+                            "Processor, 1 thread: fp32 matmul 176 GFLOP/s, 0.89 us per tiny op, "
+                            "element-wise layers 13.0 GB/s (median); link assumed")
 # What a budget lets the planner choose among: the fixed modes and kept layers per stage
 BUDGET_CHECKPOINTS = ("never", "except_last", "always", "selective")
 
@@ -242,12 +256,15 @@ def budget_batch(model: AppModel, chunks: int) -> int:
 def budget_plan(model: AppModel, *, budget_mb: float, num_stages: int, chunks: int,
                 schedule: str, balance: Sequence[int] | None = None,
                 checkpoints: Sequence[str | gp.Remat] = BUDGET_CHECKPOINTS,
-                costs: gp.LayerCosts | None = None) -> gp.Plan:
+                costs: gp.LayerCosts | None = None,
+                profiles: Sequence[gp.StageProfile] | None = None) -> gp.Plan:
     """The fastest plan at the run's K, M and schedule whose per-rank peak (parameters,
     gradients, optimizer state, kept activations: gp.plan's count on ``meta``) fits
     ``budget_mb``, choosing the re-materialization (a mode, or kept layers per stage) and,
     unless ``balance`` is given, the balance. ConfigError naming the budget, the smallest
-    feasible peak and the fix when nothing fits."""
+    feasible peak and the fix when nothing fits. ``profiles``: per-layer seconds measured
+    at ``chunks`` (``gp.profile_stages`` with one stage per layer) instead of ``CPU_CORE``'s
+    prices; the bytes stay counted."""
     if costs is None:
         costs = _counted(model, model.depth, torch.float32)
     batch = budget_batch(model, chunks)
@@ -255,7 +272,8 @@ def budget_plan(model: AppModel, *, budget_mb: float, num_stages: int, chunks: i
         return gp.plan(costs, device=CPU_CORE, optimizer=model.optimizer, batch_size=batch,
                        stages=[num_stages], microbatches=[chunks], schedule=schedule,
                        checkpoints=list(checkpoints), memory_budget=budget_mb * MiB,
-                       balance=list(balance) if balance is not None else None)[0]
+                       balance=list(balance) if balance is not None else None,
+                       profiles=profiles)[0]
     except gp.NoPlanFits as error:
         smallest = error.smallest_peak / MiB
         raise ConfigError(
@@ -277,13 +295,64 @@ def describe_budget_plan(best: gp.Plan, budget_mb: float) -> str:
             f"predicted")
 
 
-def plan_for_budget(model: AppModel, config: Any,
-                    balance: Sequence[int] | None = None) -> gp.Plan | None:
+def measured_profile(model: AppModel, chunks: int, *, seed: int, device: torch.device,
+                     rounds: int = 5) -> gp.StageProfile:
+    """Each layer's seconds on ``device`` (a plain copy of the model, ``seed``'s weights) at
+    ``chunks`` micro-batches of the planned batch, with the loss on the last layer:
+    ``except_last``, so that a layer's forward is measured with and without autograd and its
+    backward with and without the rerun (what ``gp.plan(costs, profiles=...)`` takes)."""
+    if model.example is None:
+        raise ValueError(f"{model.describe}: no example inputs to time the model on")
+    loss = model.loss
+    plain = gp.materialize(model.build(model.depth), seed=seed, device=device)
+    inputs = map_tensors(model.example(budget_batch(model, chunks)),
+                            lambda t: t.to(device))
+    return gp.profile_stages(plain, [1] * len(plain), inputs,
+                             loss_fn=None if loss is None else lambda out, _: loss(out),
+                             chunks=chunks, checkpoint="except_last", rounds=rounds)
+
+
+def plan_for_budget(model: AppModel, config: Any, balance: Sequence[int] | None = None, *,
+                    measure_on: torch.device | None = None,
+                    max_parameters: int = 0) -> gp.Plan | None:
     """A train run's plan under ``config.memory_budget_mb`` at its ``num_stages``, ``chunks``
     and ``schedule`` (None without a budget); ``balance``: a fixed one (the config's, or a
     resumed checkpoint's). Run before any process group, so that a budget nothing fits is one
-    ``error:`` line, and again where the pipeline is built."""
+    ``error:`` line (the bytes are counted, whatever prices the time), and again where the
+    pipeline is built, there with ``measure_on``: global rank 0 times each layer on that
+    device (``measured_profile``) and plans with those seconds, and every rank gets its plan
+    (timing differs between processes), as the apps' balance is chosen without a budget;
+    where the balance those seconds give fits nothing, the counted plan's balance (so that a
+    budget the first call accepted is never refused here); counted prices (``CPU_CORE``) for
+    a model over ``max_parameters``, too large to time whole."""
     if not config.memory_budget_mb:
         return None
-    return budget_plan(model, budget_mb=config.memory_budget_mb, num_stages=config.num_stages,
-                       chunks=config.chunks, schedule=config.schedule, balance=balance)
+
+    def planned(profiles: list[gp.StageProfile] | None,
+                fixed: Sequence[int] | None = balance) -> gp.Plan:
+        return budget_plan(model, budget_mb=config.memory_budget_mb,
+                           num_stages=config.num_stages, chunks=config.chunks,
+                           schedule=config.schedule, balance=fixed, profiles=profiles)
+
+    if measure_on is None or model.example is None:
+        return planned(None)
+    params = sum(p.numel() for p in model.build(model.depth).parameters())
+    if params > max_parameters:
+        return planned(None)
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            counted = planned(None)  # fits, or the run was refused before any process group
+            profiles = [measured_profile(model, config.chunks, seed=config.seed,
+                                         device=measure_on)]
+            try:
+                result[0] = planned(profiles)
+            except ConfigError:  # the measured seconds' balance fits nothing: the counted one
+                result[0] = planned(profiles, counted.balance)
+        except ConfigError as error:  # every rank raises it
+            result[0] = str(error)
+    with gp.collectives("planning the memory budget"):
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], str):
+        raise ConfigError(result[0])
+    return result[0]

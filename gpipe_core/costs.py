@@ -19,7 +19,14 @@ on a sample batch and counts, per layer:
 - ``forward_flops`` / ``backward_flops``: ``torch.utils.flop_counter.FlopCounterMode``
   (matrix products and convolutions; element-wise work counts nothing, as in MFU);
 - ``forward_ops`` / ``backward_ops``: operator calls (metadata-only ones such as views not
-  counted), for the fixed per-operator cost that makes tiny micro-batches run below peak.
+  counted), for the fixed per-operator cost that makes tiny micro-batches run below peak;
+- ``forward_traffic_bytes`` / ``backward_traffic_bytes``: the bytes read and written by the
+  operators that do no counted FLOPs (element-wise work, normalisation, pooling, copies, the
+  embedding's gather and its gradient's scatter): each tensor argument and result once (a
+  broadcast argument at its storage's size), so a device's memory bandwidth prices the work
+  the FLOP count leaves out. Like ``backward_bytes``, counted at the sample's batch and at
+  twice it: the part that does not grow with the batch (a weight-sized gradient) is apart,
+  in ``forward_traffic_fixed_bytes`` / ``backward_traffic_fixed_bytes``.
 
 Everything scales linearly with the batch (:meth:`LayerCosts.scaled`), so one count at any
 batch size serves every micro-batch size. What one stage of layers ``[a, b)`` keeps for one
@@ -38,7 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx.experimental import _config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .microbatch import flatten, map_tensors
 
@@ -46,7 +53,7 @@ __all__ = ["LayerCosts", "layer_costs", "structural_key"]
 
 # Fields that do not scale with the batch.
 _PER_SAMPLE = ("param_count", "param_bytes", "backward_fixed_bytes", "forward_ops",
-               "backward_ops")
+               "backward_ops", "forward_traffic_fixed_bytes", "backward_traffic_fixed_bytes")
 
 
 @dataclass
@@ -67,6 +74,11 @@ class LayerCosts:
     backward_flops: list[float] = field(default_factory=list)
     forward_ops: list[int] = field(default_factory=list)  # operator calls
     backward_ops: list[int] = field(default_factory=list)
+    # bytes moved by operators without counted FLOPs, per batch, and at any batch
+    forward_traffic_bytes: list[float] = field(default_factory=list)
+    backward_traffic_bytes: list[float] = field(default_factory=list)
+    forward_traffic_fixed_bytes: list[float] = field(default_factory=list)
+    backward_traffic_fixed_bytes: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -97,17 +109,28 @@ class LayerCosts:
 
 
 class _OpCount(TorchDispatchMode):
-    """Counts operator calls (each is at least one kernel launch on an accelerator)."""
+    """Counts operator calls (each is at least one kernel launch on an accelerator) and the
+    bytes the calls without counted FLOPs read and write (``traffic``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.traffic = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
+        out = func(*args, **(kwargs or {}))
         if func not in _FREE_OPS:
             self.calls += 1
-        return func(*args, **(kwargs or {}))
+            if func._overloadpacket not in flop_registry and func not in _ALLOCATING_OPS:
+                self.traffic += sum(_moved_bytes(t) for t in _tensors((args, kwargs, out)))
+        return out
+
+
+def _moved_bytes(tensor: Tensor) -> int:
+    """What an operator reads or writes of ``tensor``: its elements, but no more than its
+    storage (a broadcast bias is read once, not once per row)."""
+    return min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
 
 
 # Metadata-only operators: no kernel runs.
@@ -119,6 +142,10 @@ _FREE_OPS = {torch.ops.aten.view.default, torch.ops.aten.t.default,
              torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
              torch.ops.aten._reshape_alias.default, torch.ops.aten.split.Tensor,
              torch.ops.aten.split_with_sizes.default, torch.ops.aten.as_strided.default}
+# Operators that only allocate (their memory is written by the operator that fills it).
+_ALLOCATING_OPS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                   torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default,
+                   torch.ops.aten.new_empty_strided.default}
 
 
 def _storage_key(tensor: Tensor) -> int:
@@ -269,6 +296,8 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
         "backward_flops": float(backward_count.get_total_flops()),
         "forward_ops": forward_ops.calls,
         "backward_ops": backward_ops.calls,
+        "forward_traffic_bytes": float(forward_ops.traffic),
+        "backward_traffic_bytes": float(backward_ops.traffic),
     }
     return _Counted(values, saved_inputs, y, saved_outputs)
 
@@ -284,6 +313,13 @@ def structural_key(layer: nn.Module) -> Hashable:
 
 def _signature(x: Any) -> Hashable:
     return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in _tensors(x))
+
+
+# Counts split into the part that grows with the batch (measured from the count at twice the
+# batch) and the part that does not.
+_GROWING_AND_FIXED = (("backward_bytes", "backward_fixed_bytes"),
+                      ("forward_traffic_bytes", "forward_traffic_fixed_bytes"),
+                      ("backward_traffic_bytes", "backward_traffic_fixed_bytes"))
 
 
 def layer_costs(
@@ -346,11 +382,12 @@ def layer_costs(
         costs.names.append(name)
         for field_name, value in count.values.items():
             getattr(costs, field_name).append(value)
-        held = count.values["backward_bytes"]
-        growing = held if count2 is None else min(
-            max(count2.values["backward_bytes"] - held, 0.0), held)
-        costs.backward_bytes[-1] = growing
-        costs.backward_fixed_bytes.append(held - growing)
+        for growing_name, fixed_name in _GROWING_AND_FIXED:
+            at_batch = count.values[growing_name]
+            growing = at_batch if count2 is None else min(
+                max(count2.values[growing_name] - at_batch, 0.0), at_batch)
+            getattr(costs, growing_name)[-1] = growing
+            getattr(costs, fixed_name).append(at_batch - growing)
         costs.saved_input_bytes.append(float(sum(
             size for leaves, size in count.saved_inputs if not leaves & previous_saved)))
         previous_saved = count.saved_outputs

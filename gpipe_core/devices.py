@@ -4,7 +4,12 @@ A :class:`Device` turns counted work into seconds: a layer of ``flops`` FLOPs an
 operator calls takes ``ops * op_overhead + flops / (peak_flops * achievable)``, so the
 achievable fraction of peak falls for small per-layer work (tiny micro-batches) along
 ``achievable * w / (w + ops * op_overhead * peak_flops * achievable)``; a message of ``n`` bytes
-to the neighbouring stage takes ``link_latency + n / link_bandwidth``.
+to the neighbouring stage takes ``link_latency + n / link_bandwidth``. With a
+``memory_bandwidth``, the bytes moved by the operators that do no counted FLOPs (element-wise
+work, normalisation, pooling: ``LayerCosts.forward_traffic_bytes``) add
+``traffic / memory_bandwidth``; the presets leave it 0 (not priced: a fused accelerator
+program hides most of it, and the paper-scale predictions are made without it), a CPU core,
+where a BatchNorm or a pooling costs as much as a convolution, needs it.
 
 Presets (``DEVICES``), with their sources. Peak FLOP/s are the vendor's dense numbers for the
 dtype the paper's runs (or current practice) use; ``achievable`` is one published end-to-end
@@ -52,6 +57,8 @@ class Device:
     link_bandwidth: float = 12 * GB  # bytes/s to the neighbouring stage, one direction
     link_latency: float = 10e-6  # seconds per message
     source: str = ""
+    # bytes/s of the operators without counted FLOPs; 0: their traffic is not priced
+    memory_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.achievable <= 1:
@@ -59,10 +66,15 @@ class Device:
         for name in ("memory_bytes", "peak_flops", "link_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.memory_bandwidth < 0:
+            raise ValueError(f"memory_bandwidth={self.memory_bandwidth} must be bytes/s >= 0 "
+                             "(0: the traffic of operators without FLOPs is not priced)")
 
-    def compute_seconds(self, flops: float, ops: float = 0.0) -> float:
-        """Seconds for ``flops`` FLOPs spread over ``ops`` operator calls."""
-        return ops * self.op_overhead + flops / (self.peak_flops * self.achievable)
+    def compute_seconds(self, flops: float, ops: float = 0.0, traffic: float = 0.0) -> float:
+        """Seconds for ``flops`` FLOPs spread over ``ops`` operator calls, and ``traffic``
+        bytes moved by the calls without counted FLOPs (priced with a ``memory_bandwidth``)."""
+        moved = traffic / self.memory_bandwidth if self.memory_bandwidth else 0.0
+        return ops * self.op_overhead + flops / (self.peak_flops * self.achievable) + moved
 
     def utilisation(self, flops: float, ops: float) -> float:
         """The fraction of peak a layer of this work reaches (the curve against work)."""

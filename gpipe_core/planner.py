@@ -16,7 +16,8 @@ gives: small micro-batches run layers below their whole-batch efficiency).
 For a model that does not exist yet, give :func:`plan` ``costs`` counted on ``meta``
 (:func:`~gpipe_core.costs.layer_costs`) and a ``device``
 (:class:`~gpipe_core.devices.Device`) instead: each micro-batch's per-layer seconds then come
-from its FLOPs and operator calls on that device (below peak for tiny micro-batches), each
+from its FLOPs, operator calls and (with the device's ``memory_bandwidth``) the bytes its
+element-wise operators move on that device (below peak for tiny micro-batches), each
 boundary's transfer from its message bytes over the link, the memory budget from the device,
 and the parameter memory from ``optimizer`` (bytes per parameter: weights, gradients, state).
 :func:`plan_largest` searches a ladder of model sizes for the largest that fits for each K.
@@ -30,7 +31,8 @@ gain most from recomputing); its backward pays the recomputed layers' forward ag
 (fused B) holds one recomputed run's activations at a time. The choice starts from keeping
 everything and, while a device is over the budget, recomputes the layer of that device that
 frees the most bytes per second of recomputation; then it keeps again, largest forward first,
-every recomputed layer the budget still allows. A :class:`~gpipe_core.remat.Remat` in
+every recomputed layer the budget still allows, and a stage of up to 8 layers tries every
+choice of its own kept layers with the others' fixed. A :class:`~gpipe_core.remat.Remat` in
 ``checkpoints`` is evaluated as given (for a fixed balance).
 """
 
@@ -145,7 +147,11 @@ def plan(
     ``microbatch_costs`` for their M (a profile of a fused schedule gives B, one of a split
     schedule I and W; give both and a split schedule pays what its halves measured, which
     may be more than B), the whole-batch costs for the balance (M times the smallest M's),
-    and the M to try. Without a memory budget (and sizes), every plan fits.
+    and the M to try. Without a memory budget (and sizes), every plan fits. ``profiles``
+    with ``costs`` and ``device``: the seconds are the profiles' (measured on the machine
+    that will run), the bytes, the budget and the transfers the counted costs' and the
+    device's (where a device's FLOP and bandwidth rates rank layers wrongly, as a CPU core's
+    do for small convolutions and pooling).
     ``schedule``: any name :func:`~gpipe_core.schedule.get_schedule` knows, or several (the
     plans of all of them compete; ``"all"``: every built-in one). ``"interleaved_1f1b"`` and
     ``"interleaved_zb"`` are tried with each V of ``virtual_stages`` stages per device, ``"zb_v"`` and ``"dualpipe_v"``
@@ -194,8 +200,10 @@ def plan(
     backward_bytes: Sequence[float] | None = None
     backward_fixed: Sequence[float] | None = None
     own_saved: Sequence[float] | None = None
+    remat: dict[int, tuple[list[float], list[float]]] = {}
     if profiles:
         measured = _from_profiles(profiles)
+        remat = _remat_from_profiles(profiles)
         microbatch_costs = {**measured, **(microbatch_costs or {})}
         smallest_m = min(measured)
         if forward is None or backward is None:
@@ -204,7 +212,7 @@ def plan(
         if microbatches is None:
             divisors = [m for m in divisors if m in measured]
         n_layers = len(forward)
-        if memory_budget is None and activation_bytes is None:
+        if costs is None and memory_budget is None and activation_bytes is None:
             activation_bytes = input_bytes = param_bytes = [0.0] * n_layers
             memory_budget = float("inf")
     if costs is not None:
@@ -212,15 +220,13 @@ def plan(
             raise ValueError("plan(costs) needs the device the costs run on: device=gp.DEVICES"
                              "['h100_80gb'] or a gp.Device(...)")
         whole = costs.scaled(batch_size)
-        forward = [device.compute_seconds(f, ops) for f, ops in
-                   zip(whole.forward_flops, whole.forward_ops, strict=True)]
-        backward = [device.compute_seconds(f, ops) for f, ops in
-                    zip(whole.backward_flops, whole.backward_ops, strict=True)]
-        microbatch_costs = {m: ([device.compute_seconds(f / m, ops) for f, ops in
-                                 zip(whole.forward_flops, whole.forward_ops, strict=True)],
-                                [device.compute_seconds(f / m, ops) for f, ops in
-                                 zip(whole.backward_flops, whole.backward_ops, strict=True)])
-                            for m in divisors}
+        if not profiles:  # with profiles, the seconds are the measured ones
+            forward, backward = _compute_seconds(whole, device, 1)
+            microbatch_costs = {m: _compute_seconds(whole, device, m) for m in divisors}
+        elif forward is not None and len(forward) != len(whole):
+            raise ValueError(f"profiles have {len(forward)} layers and costs {len(whole)}: "
+                             "profile the model the costs count, one stage per layer "
+                             "(balance=[1] * len(model))")
         per_parameter = bytes_per_parameter(optimizer)
         param_bytes = [count * per_parameter for count in whole.param_count]
         activation_bytes = [s + i for s, i in
@@ -268,7 +274,8 @@ def plan(
                     activation_bytes=activation_bytes, input_bytes=input_bytes,
                     param_bytes=param_bytes, divisors=divisors, memory_budget=memory_budget,
                     per_action_overhead=per_action_overhead, transfer=transfer,
-                    microbatch_costs=microbatch_costs, backward_weight=backward_weight,
+                    microbatch_costs=microbatch_costs, microbatch_remat=remat,
+                    backward_weight=backward_weight,
                     backward_input=backward_input, checkpoints=checkpoints, stage_kept=stage_kept,
                     boundary_bytes=boundary_bytes, backward_bytes=backward_bytes,
                     backward_fixed=backward_fixed, own_saved=own_saved, device=device,
@@ -345,6 +352,7 @@ def _plans_for(
     transfer: float,
     microbatch_costs: Mapping[int, MicrobatchCosts],
     backward_weight: Sequence[float] | None,
+    microbatch_remat: Mapping[int, tuple[Sequence[float], Sequence[float]]] | None = None,
     backward_input: Sequence[float] | None,
     checkpoints: Sequence[str | Remat],
     stage_kept: Callable[[int, int], float] | None,
@@ -411,6 +419,11 @@ def _plans_for(
         held = [sum(params[s] for s in mine) for mine in on_rank]
         layer_forward = (list(microbatch_costs[m][0]) if m in microbatch_costs
                          else [f / m for f in forward])
+        # a re-materialized micro-batch's first forward (without autograd) and the rerun its
+        # backward adds: as measured where a profile of this M measured them, else each the
+        # forward with autograd
+        layer_remat = (microbatch_remat[m] if microbatch_remat and m in microbatch_remat
+                       else None)
         selective = _Selective(
             stages, actions, on_rank, held, layer_forward,
             [a / m for a in activation_bytes], [i / m for i in input_bytes],
@@ -420,7 +433,7 @@ def _plans_for(
             None if own_saved is None else [o / m for o in own_saved],
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
                  transfer=links, activation_bytes=acts, input_bytes=inputs,
-                 output_bytes=outputs))
+                 output_bytes=outputs), layer_remat)
         for checkpoint in checkpoints:
             if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
                 if isinstance(checkpoint, Remat):
@@ -443,7 +456,12 @@ def _plans_for(
             working = [selective.working(s, set(range(a, b)) if checkpoint == "never" else set())
                        for s, (a, b) in enumerate(stages)]
             sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
-                           transfer=links, checkpoint=checkpoint, activation_bytes=acts,
+                           transfer=links, checkpoint=checkpoint,
+                           forward_no_grad=None if layer_remat is None else [
+                               per_stage(layer_remat[0], a, b) for a, b in stages],
+                           recompute=None if layer_remat is None else [
+                               per_stage(layer_remat[1], a, b) for a, b in stages],
+                           activation_bytes=acts,
                            input_bytes=inputs, output_bytes=outputs,
                            backward_working_bytes=working)
             kept = sim.peak_bytes
@@ -455,6 +473,10 @@ def _plans_for(
     return plans, smallest
 
 
+# Stages of at most this many layers try every choice of their kept layers (2^n evaluations)
+_SUBSET_SEARCH = 8
+
+
 class _Selective:
     """One configuration's per-layer sizes and costs, to evaluate and choose kept layers."""
 
@@ -463,12 +485,17 @@ class _Selective:
                  layer_forward: Sequence[float], layer_bytes: Sequence[float],
                  layer_inputs: Sequence[float], layer_backward: Sequence[float],
                  layer_outputs: Sequence[float], layer_own: Sequence[float] | None,
-                 simulate_kwargs: dict[str, Any]) -> None:
+                 simulate_kwargs: dict[str, Any],
+                 layer_remat: tuple[Sequence[float], Sequence[float]] | None = None) -> None:
         self.stages = list(stages)
         self.actions = actions
         self.on_rank = on_rank
         self.held = held  # per rank: parameter bytes
         self.layer_forward = layer_forward  # per layer: one micro-batch's forward seconds
+        # per layer: a recomputed layer's first forward (without autograd) and what its rerun
+        # adds to the backward; each the forward with autograd where not measured
+        self.layer_no_grad = layer_forward if layer_remat is None else layer_remat[0]
+        self.layer_recompute = layer_forward if layer_remat is None else layer_remat[1]
         self.layer_bytes = layer_bytes  # per layer: activations kept for one micro-batch
         self.layer_inputs = layer_inputs  # per layer: its input, one micro-batch
         # per layer: what its backward holds at once beyond what was saved (the gradient it
@@ -549,9 +576,16 @@ class _Selective:
 
     def evaluate(self, keep: Sequence[set[int]]) -> tuple[Simulation, list[float]]:
         """The simulation of this choice and each rank's peak above its parameters."""
-        recompute = [sum(self.layer_forward[i] for i in range(a, b) if i not in keep[s])
+        recompute = [sum(self.layer_recompute[i] for i in range(a, b) if i not in keep[s])
                      for s, (a, b) in enumerate(self.stages)]
+        # the first forward: kept layers with autograd, recomputed ones without
+        first_pass = [
+            f - sum(self.layer_forward[i] - self.layer_no_grad[i]
+                    for i in range(a, b) if i not in keep[s])
+            for f, (s, (a, b)) in zip(self.simulate_kwargs["forward"], enumerate(self.stages),
+                                      strict=True)]
         sim = simulate(self.actions, checkpoint="always", recompute=recompute,
+                       forward_no_grad=first_pass,
                        kept_bytes=[self.kept_bytes(s, keep[s]) for s in range(len(self.stages))],
                        backward_working_bytes=[self.working(s, keep[s])
                                                for s in range(len(self.stages))],
@@ -562,7 +596,10 @@ class _Selective:
         """Kept layers per stage: the best of two greedy passes (layers recomputed by bytes
         freed per second of recomputation, or by bytes alone) and of recomputing everything,
         then improved while that is faster and fits by keeping one more layer, or by keeping a
-        recomputed layer in place of a kept one of the same stage."""
+        recomputed layer in place of a kept one of the same stage; then, stage by stage, a
+        stage of at most ``_SUBSET_SEARCH`` layers tries every choice of its own kept layers
+        with the others' fixed (a swap of two layers at once is out of the single moves' reach
+        where each half alone does not fit or is slower)."""
         options = [self._greedy(budget, per_second) for per_second in (True, False)]
         options.append([set() for _ in self.stages])  # recompute everything (as "always")
         scored = [(self._step_if_fits(keep, budget), index) for index, keep in enumerate(options)]
@@ -586,6 +623,19 @@ class _Selective:
                     trial_time = self._step_if_fits(trial, budget)
                     if trial_time < time * (1 - 1e-9):
                         keep, time, improved = trial, trial_time, True
+        improved = True
+        while improved:
+            improved = False
+            for s, (a, b) in enumerate(self.stages):
+                if b - a > _SUBSET_SEARCH:
+                    continue
+                for size in range(b - a + 1):
+                    for layers in itertools.combinations(range(a, b), size):
+                        trial = [set(kept) for kept in keep]
+                        trial[s] = set(layers)
+                        trial_time = self._step_if_fits(trial, budget)
+                        if trial_time < time * (1 - 1e-9):
+                            keep, time, improved = trial, trial_time, True
         return keep
 
     def _step_if_fits(self, keep: Sequence[set[int]], budget: float) -> float:
@@ -622,7 +672,7 @@ class _Selective:
                     if ratio < 0:
                         continue
                     if per_second:
-                        ratio /= max(self.layer_forward[i], 1e-30)
+                        ratio /= max(self.layer_recompute[i], 1e-30)
                     if best is None or ratio > best[0]:
                         best = (ratio, s, i)
             if best is None:
@@ -637,6 +687,38 @@ class _Selective:
             if any(h + x > budget for h, x in zip(self.held, kept, strict=True)):
                 keep[stage_of[i]].discard(i)
         return keep
+
+
+def _compute_seconds(whole: LayerCosts, device: Device, m: int
+                     ) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds per layer of one micro-batch of ``whole`` / ``m``: its
+    FLOPs and traffic split ``m`` ways, the operator calls and the traffic that does not grow
+    with the batch not (costs counted before the traffic fields: no traffic)."""
+    n = len(whole)
+
+    def seconds(flops: list[float], ops: list[int], traffic: list[float],
+                fixed: list[float]) -> list[float]:
+        traffic, fixed = traffic or [0.0] * n, fixed or [0.0] * n
+        return [device.compute_seconds(f / m, calls, t / m + t0)
+                for f, calls, t, t0 in zip(flops, ops, traffic, fixed, strict=True)]
+
+    return (seconds(whole.forward_flops, whole.forward_ops, whole.forward_traffic_bytes,
+                    whole.forward_traffic_fixed_bytes),
+            seconds(whole.backward_flops, whole.backward_ops, whole.backward_traffic_bytes,
+                    whole.backward_traffic_fixed_bytes))
+
+
+def _remat_from_profiles(profiles: Sequence[StageProfile]
+                         ) -> dict[int, tuple[list[float], list[float]]]:
+    """Per M, each layer's forward without autograd (a re-materialized micro-batch's first
+    pass) and what the rerun adds to its backward, from a profile of that M that measured
+    them (``checkpoint`` other than ``"never"``); a profile that ran none gives the forward
+    with autograd for both."""
+    result: dict[int, tuple[list[float], list[float]]] = {}
+    for profile in sorted(profiles, key=lambda p: p.checkpoint == "never"):
+        result.setdefault(profile.num_microbatches,
+                          (list(profile.forward_no_grad), list(profile.recompute)))
+    return result
 
 
 def _from_profiles(profiles: Sequence[StageProfile]) -> dict[int, MicrobatchCosts]:

@@ -11,7 +11,8 @@ schedule (fill-drain) without and with re-materialization:
 - re-materialization (``except_last``): its time overhead and the peak tensor memory per rank
   it saves.
 
-Writes ``app_efficiency.json`` beside the first input.
+Writes ``app_efficiency.json`` beside the first input: its own provenance, each input's
+(the measurement: commit, CPU, load), and the rows.
 
     python scripts/app_efficiency.py docs/reproduction/throughput_apps_params.json \\
         docs/reproduction/throughput_apps_time.json
@@ -24,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scripts.harness import write_json
+from scripts.harness import provenance, write_json
 
 K = 2
 
@@ -65,7 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path)
     args = parser.parse_args()
-    rows = [row for path in args.results for row in summarize(json.loads(path.read_text()))]
+    reports = {str(path): json.loads(path.read_text()) for path in args.results}
+    rows = [row for report in reports.values() for row in summarize(report)]
     print(f"{'app':<14}{'balance':<16}{'M':>3}{'plain s':>9}{'pipe s':>8}{'speedup':>8}"
           f"{'eff.':>6}{'ideal':>6}{'compute/rank s':>16}{'wait/rank s':>13}"
           f"{'remat +time':>12}{'remat mem saved':>17}")
@@ -79,7 +81,9 @@ def main() -> None:
               f"{r['bubble_ideal']:>6.0%}{compute:>16}{wait:>13}"
               f"{r.get('remat_overhead', float('nan')):>12.0%}{saved:>17}")
     out = args.results[0].with_name("app_efficiency.json")
-    write_json(out, rows)
+    write_json(out, {"provenance": provenance(),
+                     "inputs": {path: report.get("provenance") for path, report in reports.items()},
+                     "rows": rows})
     print(f"wrote {out}")
 
 

@@ -17,7 +17,14 @@ M of ``--chunks``:
    plan (the same balance) run in alternating paired rounds (``--pairs``, order swapped every
    pair, ``--steps`` steps a round; medians, rounds won, load average before and after); the
    measured margin ``1 - selective / always`` is set against the plan's predicted margin (goal:
-   at least 80% of it). Each rank's timeline gives the busy seconds of F and B per step, so a
+   at least 80% of it). The plans' seconds (which layers to recompute, the balance, the
+   predicted margin) come from ``--times``: ``measured`` (default), each layer's forward and
+   backward profiled on this machine with one thread at each M (``gp.profile_stages``, one
+   stage per layer, ``except_last``: the forward with and without autograd, what
+   ``gp.plan(costs, profiles=...)`` takes), or ``counted``, the FLOPs,
+   operator calls and element-wise bytes priced by ``apps.planning.CPU_CORE``; the bytes are
+   counted either way. The counted prediction of the timed M is recorded beside the measured
+   one, so that the time model's error stays visible. Each rank's timeline gives the busy seconds of F and B per step, so a
    miss can be traced to the recomputation the choice saved (B) or not.
 
 The exhaustive check (the planner within 3% of every choice of kept layers on small models) is
@@ -36,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +51,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import gpipe_core as gp
 from apps.planning import AppModel, MiB, _counted, budget_batch, budget_plan
+from apps.planning import measured_profile as app_profile
 from gpipe_core.launch import spawn
 from gpipe_core.schedule import Action
 from scripts.harness import LiveTensorBytes, provenance, write_json
@@ -78,17 +88,21 @@ def load_app(name: str, quick: bool) -> App:
     return App(name, config, model, _counted(model, model.depth, torch.float32))
 
 
-def predicted(app: App, chunks: int, share: float) -> dict[str, Any]:
+def predicted(app: App, chunks: int, share: float,
+              profiles: list[gp.StageProfile] | None = None) -> dict[str, Any]:
     """The plan's never, always and selective (at the budget ``share`` of the way from always to
-    never) for K=2 and ``chunks``; each with its per-rank peaks (MiB) and step time."""
+    never) for K=2 and ``chunks``; each with its per-rank peaks (MiB) and step time (from
+    ``profiles`` where given, else counted)."""
     plans = {mode: budget_plan(app.model, budget_mb=1e12, num_stages=2, chunks=chunks,
-                               schedule="gpipe", checkpoints=[mode], costs=app.costs)
+                               schedule="gpipe", checkpoints=[mode], costs=app.costs,
+                               profiles=profiles)
              for mode in ("never", "always")}
     low, high = plans["always"].peak_bytes / MiB, plans["never"].peak_bytes / MiB
     budget = low + share * (high - low)
     plans["selective"] = budget_plan(app.model, budget_mb=budget, num_stages=2, chunks=chunks,
                                      schedule="gpipe", checkpoints=["selective"],
-                                     balance=plans["always"].balance, costs=app.costs)
+                                     balance=plans["always"].balance, costs=app.costs,
+                                     profiles=profiles)
     return {"budget_mb": budget, "plans": {
         mode: {"checkpoint": p.checkpoint, "balance": p.balance, "step_time_s": p.step_time,
                "rank_peak_mb": [(a + b) / MiB for a, b in
@@ -112,10 +126,19 @@ def _batch(app: App, chunks: int) -> tuple[Any, Any, float | None]:
     return images, torch.randint(0, config.num_classes, (rows,), generator=generator), None
 
 
-def _pipe(app: App, balance: list[int], chunks: int, checkpoint: str,
-          record: bool = False) -> gp.DistributedGPipe:
+def _model(app: App) -> nn.Sequential:  # on meta: each rank materializes its stage
     if app.name == "nmt":
         from apps.nmt.config import build_model as build_nmt
+
+        return build_nmt(app.config, device="meta")
+    from apps.amoebanet.config import build_model as build_amoebanet
+
+    return build_amoebanet(app.config, device="meta")
+
+
+def _loss(app: App) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The app's training loss on the last layer's output."""
+    if app.name == "nmt":
         from apps.nmt.model import token_cross_entropy_sum
 
         config = app.config
@@ -125,17 +148,34 @@ def _pipe(app: App, balance: list[int], chunks: int, checkpoint: str,
                                            label_smoothing=config.label_smoothing,
                                            z_loss=config.z_loss)
 
-        return gp.DistributedGPipe(build_nmt(config, device="meta"), balance, chunks=chunks,
-                                   checkpoint=checkpoint, loss_fn=nmt_loss,
-                                   loss_reduction="sum", seed=0, record=record)
-    from apps.amoebanet.config import build_model as build_amoebanet
+        return nmt_loss
 
     def amoebanet_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float(), target)
 
-    return gp.DistributedGPipe(build_amoebanet(app.config, device="meta"), balance,
-                               chunks=chunks, checkpoint=checkpoint, loss_fn=amoebanet_loss,
-                               seed=0, deferred_batch_norm=True, record=record)
+    return amoebanet_loss
+
+
+def _pipe(app: App, balance: list[int], chunks: int, checkpoint: str,
+          record: bool = False) -> gp.DistributedGPipe:
+    if app.name == "nmt":
+        return gp.DistributedGPipe(_model(app), balance, chunks=chunks,
+                                   checkpoint=checkpoint, loss_fn=_loss(app),
+                                   loss_reduction="sum", seed=0, record=record)
+    return gp.DistributedGPipe(_model(app), balance, chunks=chunks,
+                               checkpoint=checkpoint, loss_fn=_loss(app), seed=0,
+                               deferred_batch_norm=True, record=record)
+
+
+def measured_profile(app: App, chunks: int) -> gp.StageProfile:
+    """Each layer's seconds at ``chunks`` on this machine with one thread, as the train
+    scripts measure them with a budget (``apps.planning.measured_profile``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return app_profile(app.model, chunks, seed=0, device=torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _step(pipe: gp.DistributedGPipe, batch: tuple[Any, Any, float | None]) -> None:
@@ -232,7 +272,8 @@ def _worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def exhaustive(app: App, chunks: int, budget_mb: float, balance: list[int],
-               limit: int = 4096) -> dict[str, Any] | None:
+               profiles: list[gp.StageProfile] | None = None, limit: int = 4096
+               ) -> dict[str, Any] | None:
     """The selective plan against every choice of kept layers at the same budget and balance
     (None where the choices exceed ``limit``)."""
     choices = [[set(c) for r in range(n + 1) for c in itertools.combinations(range(n), r)]
@@ -244,14 +285,14 @@ def exhaustive(app: App, chunks: int, budget_mb: float, balance: list[int],
         try:
             found = budget_plan(app.model, budget_mb=budget_mb, num_stages=2, chunks=chunks,
                                 schedule="gpipe", checkpoints=[gp.Remat(list(keep))],
-                                balance=balance, costs=app.costs)
+                                balance=balance, costs=app.costs, profiles=profiles)
         except Exception:  # noqa: BLE001 -- ConfigError: this choice does not fit
             continue
         if found.step_time < best:
             best, best_choice = found.step_time, str(gp.Remat(list(keep)))
     chosen = budget_plan(app.model, budget_mb=budget_mb, num_stages=2, chunks=chunks,
                          schedule="gpipe", checkpoints=["selective"], balance=balance,
-                         costs=app.costs)
+                         costs=app.costs, profiles=profiles)
     return {"choices": len(choices[0]) * len(choices[1]), "best_s": best,
             "best_checkpoint": best_choice, "chosen_s": chosen.step_time,
             "chosen_checkpoint": chosen.checkpoint, "chosen_over_best": chosen.step_time / best - 1}
@@ -259,7 +300,11 @@ def exhaustive(app: App, chunks: int, budget_mb: float, balance: list[int],
 
 def run_app(name: str, args: argparse.Namespace) -> dict[str, Any]:
     app = load_app(name, args.quick)
-    by_m = {m: predicted(app, m, args.share) for m in args.chunks}
+    profiles = {m: [measured_profile(app, m)] if args.times == "measured" else None
+                for m in args.chunks}
+    by_m = {m: predicted(app, m, args.share, profiles[m]) for m in args.chunks}
+    counted = by_m[args.timing_chunks] if args.times == "counted" else predicted(
+        app, args.timing_chunks, args.share)
     jobs = [{"chunks": m, "mode": mode, "balance": p["plans"][mode]["balance"],
              "checkpoint": p["plans"][mode]["checkpoint"]}
             for m, p in by_m.items() for mode in ("never", "always", "selective")]
@@ -316,12 +361,19 @@ def run_app(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "selective_won": wins, "ratio_selective_over_always": med["selective"] / med["always"],
         "predicted_s": {k: timing_plans[k]["step_time_s"] for k in ("always", "selective")},
         "predicted_margin": predicted_margin, "measured_margin": measured_margin,
+        "times": args.times,
+        "counted_prediction": {
+            "checkpoint": counted["plans"]["selective"]["checkpoint"],
+            "balance": counted["plans"]["always"]["balance"],
+            "predicted_s": {k: counted["plans"][k]["step_time_s"]
+                            for k in ("always", "selective")}},
         "margin_achieved": measured_margin / predicted_margin if predicted_margin else None,
         "goal_met": bool(predicted_margin and measured_margin >= 0.8 * predicted_margin),
         "rank_busy_s_per_step": {label: busy(label) for label in ("always", "selective")},
         "load_before": load_before, "load_after": load_after,
     }
-    search = [exhaustive(app, m, by_m[m]["budget_mb"], by_m[m]["plans"]["always"]["balance"])
+    search = [exhaustive(app, m, by_m[m]["budget_mb"], by_m[m]["plans"]["always"]["balance"],
+                         profiles[m])
               if args.exhaustive else None for m in args.chunks]
     return {"app": name, "model": app.model.describe, "batch": budget_batch(app.model, 1),
             "memory": rows, "timing": timing,
@@ -340,6 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-exhaustive", dest="exhaustive", action="store_false")
+    parser.add_argument("--times", choices=["measured", "counted"], default="measured",
+                        help="the plans' seconds: per-layer profiles on this machine, or "
+                             "CPU_CORE's prices of the counted work")
     parser.add_argument("--quick", action="store_true", help="tiny configs: a smoke run")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)

@@ -249,3 +249,62 @@ def test_the_part_of_a_backward_that_does_not_grow_with_the_batch_is_apart() -> 
         doubled = costs.scaled(2 * batch)
         assert doubled.backward_fixed_bytes == [2 * 50 * 8 * 4]
         assert doubled.backward_bytes == [2 * batch * 5 * 8 * 4]
+
+
+def test_traffic_counts_the_bytes_of_the_operators_without_flops() -> None:
+    """ReLU reads its input and writes its output; its backward reads the received gradient
+    and the saved output and writes the input's gradient. A linear layer's work is all FLOPs
+    (``addmm``); its backward's bias gradient is a reduction of the received gradient."""
+    x = torch.randn(8, 100)
+    relu = gp.layer_costs(nn.Sequential(nn.ReLU()), x)
+    assert relu.forward_traffic_bytes == [2 * 8 * 100 * 4]
+    assert relu.backward_traffic_bytes == [3 * 8 * 100 * 4]
+    assert relu.forward_traffic_fixed_bytes == relu.backward_traffic_fixed_bytes == [0.0]
+    linear = gp.layer_costs(nn.Sequential(nn.Linear(100, 10)), x)
+    assert linear.forward_traffic_bytes == [0.0]
+    assert linear.backward_traffic_bytes == [8 * 10 * 4]  # the received gradient, read once
+    assert linear.backward_traffic_fixed_bytes == [10 * 4]  # the bias gradient, written once
+    halved = relu.scaled(4)
+    assert halved.forward_traffic_bytes == [4 * 100 * 4 * 2]
+
+
+def test_traffic_of_a_weight_sized_gradient_does_not_grow_with_the_batch() -> None:
+    """The embedding's backward writes a gradient the size of its table at any batch: counted
+    as fixed traffic, the tokens' part growing with the batch."""
+    for batch in (3, 6):
+        tokens = torch.randint(0, 50, (batch, 5))
+        costs = gp.layer_costs(nn.Sequential(nn.Embedding(50, 8)), tokens)
+        assert costs.backward_traffic_fixed_bytes[0] >= 50 * 8 * 4
+        assert costs.backward_traffic_bytes[0] > 0
+        grown = costs.scaled(2 * batch)
+        assert grown.backward_traffic_fixed_bytes == costs.backward_traffic_fixed_bytes
+        assert grown.backward_traffic_bytes[0] == 2 * costs.backward_traffic_bytes[0]
+
+
+def test_a_device_with_memory_bandwidth_prices_the_traffic() -> None:
+    device = gp.Device("core", memory_bytes=2**30, peak_flops=1e9, achievable=0.5,
+                       op_overhead=1e-6, memory_bandwidth=1e9)
+    assert device.compute_seconds(1e9, 10, 3e9) == pytest.approx(10e-6 + 2.0 + 3.0)
+    unpriced = gp.Device("core", memory_bytes=2**30, peak_flops=1e9, achievable=0.5,
+                         op_overhead=1e-6)
+    assert unpriced.compute_seconds(1e9, 10, 3e9) == pytest.approx(10e-6 + 2.0)
+    with pytest.raises(ValueError, match=r"memory_bandwidth=-1.0 must be bytes/s >= 0"):
+        gp.Device("core", memory_bytes=2**30, peak_flops=1e9, memory_bandwidth=-1.0)
+
+
+def test_the_planner_adds_each_layers_traffic_over_the_bandwidth() -> None:
+    """One stage, one micro-batch, nothing recomputed: the step is the layers' forward and
+    backward seconds, so the bandwidth adds exactly the counted traffic over it."""
+    model, x = small_model(), torch.randn(16, 8)
+    costs = gp.layer_costs(model, x)
+    traffic = sum(costs.forward_traffic_bytes + costs.backward_traffic_bytes
+                  + costs.forward_traffic_fixed_bytes + costs.backward_traffic_fixed_bytes)
+    assert traffic > 0
+    steps = {}
+    for bandwidth in (0.0, 1e8):
+        device = gp.Device("core", memory_bytes=2**30, peak_flops=1e9, op_overhead=1e-6,
+                           memory_bandwidth=bandwidth)
+        steps[bandwidth] = gp.plan(costs, device=device, optimizer="sgd", batch_size=16,
+                                   stages=[1], microbatches=[1], checkpoints=["never"])[0]
+    assert steps[1e8].step_time - steps[0.0].step_time == pytest.approx(traffic / 1e8,
+                                                                          rel=1e-9)

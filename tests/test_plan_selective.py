@@ -4,6 +4,7 @@ memory budget and compared with an exhaustive search over every choice."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from typing import Any
@@ -218,8 +219,8 @@ def test_the_backward_of_any_choice_stays_within_the_planned_working_bytes() -> 
     backward's working bytes (:meth:`_Selective.working`), and at most half above it: the
     model never under-counts, which would let a plan overrun its budget, and is exact where its
     terms are all there is; it over-counts where the backward frees kept activations on the way
-    that it does not subtract (what a layer saved of its inputs). (It fails when a run's spent
-    outputs and gradients are held until the stage's backward ends.)"""
+    that it does not subtract (what a layer saved of its inputs). (It fails when a run's spent outputs and gradients are held
+    until the stage's backward ends.)"""
     from gpipe_core.costs import _Allocations
 
     model, x, costs, model_of = _six_layer_stage()
@@ -239,3 +240,26 @@ def test_the_backward_of_any_choice_stays_within_the_planned_working_bytes() -> 
             assert measured <= predicted <= 1.5 * measured, kept
             ratios.append(predicted / measured)
     assert min(ratios) == 1.0  # exact where the model's terms are all there is
+
+
+def test_a_recomputed_layers_first_forward_and_rerun_cost_what_was_measured() -> None:
+    """A profile that measured re-materialization (checkpoint other than "never"): on one
+    device, two micro-batches of four layers (F 1 s with autograd, 0.25 s without, B 2 s, the
+    rerun adding 0.5 s to a backward), ``always`` runs every first forward without autograd
+    (2 x 4 x 0.25) and every backward with the rerun (2 x 4 x (2 + 0.5)): 22 s, not the 32 s
+    of pricing both as the forward with autograd; keeping layers 0 and 1 runs those with
+    autograd and reruns only the other two: 2 x (2 x 1 + 2 x 0.25) + 2 x (4 x 2 + 2 x 0.5) =
+    23 s."""
+    profile = gp.StageProfile(schedule="gpipe", num_microbatches=2, checkpoint="except_last",
+                              forward=[1.0] * 4, backward=[2.0] * 4,
+                              forward_no_grad=[0.25] * 4, recompute=[0.5] * 4)
+    plans = gp.plan(profiles=[profile], batch_size=2, stages=[1], balance=[4],
+                    checkpoints=["never", "always", gp.Remat([{0, 1}])])
+    steps = {p.checkpoint: p.step_time for p in plans}
+    assert steps == {"never": pytest.approx(24.0), "always": pytest.approx(22.0),
+                     "keep:[[0, 1]]": pytest.approx(23.0)}
+    unmeasured = dataclasses.replace(profile, checkpoint="never", forward_no_grad=[1.0] * 4,
+                                     recompute=[1.0] * 4)
+    plans = gp.plan(profiles=[unmeasured], batch_size=2, stages=[1], balance=[4],
+                    checkpoints=["always", gp.Remat([{0, 1}])])
+    assert sorted(p.step_time for p in plans) == [pytest.approx(28.0), pytest.approx(32.0)]

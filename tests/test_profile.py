@@ -282,3 +282,33 @@ def test_per_round_simulation_needs_aligned_rounds() -> None:
                            forward_no_grad=[1.0, 1.0], recompute=[1.0, 1.0])
     with pytest.raises(ValueError, match="no per-round samples"):
         gp.simulate(schedule, bare, per_round=True)
+
+
+def test_counted_bytes_and_measured_seconds_plan_together() -> None:
+    """``costs`` with ``profiles``: each plan's memory is what the counted costs give alone,
+    and its step time what the profiles give alone (the device's link made free, so that the
+    transfers the costs add are nothing)."""
+    model, x, y = model_and_batch()
+    layers = len(model)
+    profiles = [gp.profile_stages(model, [1] * layers, x, y, loss_fn=nn.functional.cross_entropy,
+                                  chunks=m, rounds=1) for m in (2, 4)]
+    costs = gp.layer_costs(model, x)
+    device = gp.Device("core", memory_bytes=2**30, peak_flops=1e12, link_bandwidth=1e30,
+                       link_latency=0.0)
+    common = dict(batch_size=16, stages=[2], balance=[3, 3], checkpoints=["never", "always"])
+
+    def by_key(plans: list[gp.Plan]) -> dict[tuple[int, str], gp.Plan]:
+        return {(p.num_microbatches, p.checkpoint): p for p in plans}
+
+    both = by_key(gp.plan(costs, device=device, optimizer="sgd", profiles=profiles,
+                          **common))  # type: ignore[arg-type]
+    counted = by_key(gp.plan(costs, device=device, optimizer="sgd", microbatches=[2, 4],
+                             **common))  # type: ignore[arg-type]
+    measured = by_key(gp.plan(profiles=profiles, **common))  # type: ignore[arg-type]
+    assert set(both) == set(measured) == {(m, c) for m in (2, 4) for c in ("never", "always")}
+    for key, plan in both.items():
+        assert plan.peak_bytes == counted[key].peak_bytes > 0
+        assert plan.step_time == pytest.approx(measured[key].step_time, rel=1e-12)
+        assert plan.step_time != pytest.approx(counted[key].step_time, rel=1e-3)
+    with pytest.raises(ValueError, match="profiles have 6 layers and costs 5"):
+        gp.plan(gp.layer_costs(model[:5], x), device=device, profiles=profiles, batch_size=16)

@@ -46,6 +46,8 @@ def app_model(config: AmoebaNetConfig) -> AppModel:
         build=build, depth=config.num_normal_cells, depth_name="L",
         # two images: training BatchNorm needs more than one value per channel (1x1 maps)
         sample=torch.empty(2, config.in_chans, side, side, device="meta"),
+        example=lambda n: torch.randn(n, config.in_chans, side, side,
+                                      generator=torch.Generator().manual_seed(config.seed)),
         batch_size=config.batch_size, unit="images", tokens_per_sample=1,
         optimizer=optimizer_name(config.optimizer, config.momentum),
         describe=f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}) at "

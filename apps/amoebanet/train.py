@@ -314,12 +314,13 @@ class Evaluation:
 
 
 def describe(config: AmoebaNetConfig, run: Run, balance: list[int], num_params: int, *,
-             train_images: int, updates_per_epoch: int) -> str:
-    """The run's first line: the model, its pipeline and the data."""
+             train_images: int, updates_per_epoch: int, checkpoint: Any) -> str:
+    """The run's first line: the model, its pipeline (the re-materialization it runs: the
+    config's, or the budget's choice) and the data."""
     return (f"AmoebaNet-{config.genotype}({config.num_normal_cells}, {config.filters}): "
             f"{num_params:,} parameters, {sum(balance)} layers; {config.num_stages} "
             f"stages, balance {balance}, {config.chunks} micro-batches, schedule "
-            f"{config.schedule}, checkpoint {config.checkpoint}, {run.num_replicas} replica(s), "
+            f"{config.schedule}, checkpoint {checkpoint}, {run.num_replicas} replica(s), "
             f"{run.world_size} rank(s) on {run.device.type}; {config.dataset}: "
             f"{train_images:,} train images, {updates_per_epoch} steps per epoch of "
             f"{config.batch_size * run.num_replicas}")
@@ -441,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     # with memory_budget_mb, gp.plan chooses the re-materialization (per-stage kept layers
     # included) and, unless the config or the checkpoint fixes it, the balance
     fixed = list(state["balance"]) if state else config.balance
-    best = plan_for_budget(amoebanet_app_model(config), config, fixed)
+    best = plan_for_budget(amoebanet_app_model(config), config, fixed, measure_on=run.device,
+                           max_parameters=PROFILE_MAX_PARAMETERS)
     if best is not None:
         run.say(describe_budget_plan(best, config.memory_budget_mb))
         balance = list(best.balance)
@@ -452,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     optimizer, length = optimization(config, pipe, state, updates_per_epoch)
     scheduler = make_scheduler(config, optimizer, updates_per_epoch, length.steps)
     run.say(describe(config, run, balance, num_params, train_images=train_images,
-                     updates_per_epoch=updates_per_epoch))
+                     updates_per_epoch=updates_per_epoch, checkpoint=pipe.checkpoint))
     step, epoch, batch_in_epoch, images_seen, train_seconds = 0, 0, 0, 0, 0.0
     if resume_dir is not None:  # weights, optimizer, scheduler, data position, RNGs
         restore(pipe, optimizer, resume_dir, state)

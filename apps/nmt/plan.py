@@ -44,8 +44,14 @@ def app_model(config: NMTConfig) -> AppModel:
                                        label_smoothing=config.label_smoothing,
                                        z_loss=config.z_loss)
 
+    def example(n: int) -> tuple[torch.Tensor, torch.Tensor]:  # tokens, none of them special
+        generator = torch.Generator().manual_seed(config.seed)
+        tokens = torch.randint(4, config.vocab_size, (2, n, seq), generator=generator)
+        return tokens[0], tokens[1]
+
     return AppModel(
         build=build, depth=config.num_layers, depth_name="L", sample=(ids, ids),
+        example=example,
         batch_size=max(1, config.max_tokens // (2 * seq)), unit="sentence pairs",
         tokens_per_sample=2 * seq, optimizer=optimizer_name(config.optimizer),
         describe=f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d_model "

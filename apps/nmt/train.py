@@ -277,7 +277,8 @@ def nmt_pipeline(config: NMTConfig, run: Run, state: dict[str, Any]
     model = build_model(config, device="meta")
     checkpoint: Any = config.checkpoint
     fixed = list(state["balance"]) if "balance" in state else config.balance
-    best = plan_for_budget(nmt_app_model(config), config, fixed)
+    best = plan_for_budget(nmt_app_model(config), config, fixed, measure_on=run.device,
+                           max_parameters=PROFILE_MAX_PARAMETERS)
     if best is not None:
         balance, checkpoint = list(best.balance), best.checkpoint
         run.say(describe_budget_plan(best, config.memory_budget_mb))
@@ -345,12 +346,13 @@ def run_eval(pipe: gp.DistributedGPipe, config: NMTConfig, tokenizer: Any, run: 
 
 
 def describe(config: NMTConfig, run: Run, balance: list[int], num_params: int,
-             languages: Sequence[str]) -> str:
-    """The run's first line: the model, its pipeline and the languages."""
+             languages: Sequence[str], *, checkpoint: Any) -> str:
+    """The run's first line: the model, its pipeline (the re-materialization it runs: the
+    config's, or the budget's choice) and the languages."""
     return (f"T({config.num_layers}, {config.ffn_dim}, {config.num_heads}) d={config.d_model} "
             f"vocab={config.vocab_size}: {num_params / 1e6:.2f}M parameters; {config.num_stages} "
             f"stages, balance {balance}, {config.chunks} micro-batches, schedule "
-            f"{config.schedule}, checkpoint {config.checkpoint}, {run.num_replicas} replica(s), "
+            f"{config.schedule}, checkpoint {checkpoint}, {run.num_replicas} replica(s), "
             f"{run.world_size} rank(s) on {run.device.type}; languages {' '.join(languages)}")
 
 
@@ -503,7 +505,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         train_command=f"{TRAIN_COMMAND} --out_dir={Path(config.out_dir)}")
     pipe, balance, num_params = nmt_pipeline(config, run, state)
     optimizer = make_optimizer(config, list(pipe.parameters()))
-    run.say(describe(config, run, balance, num_params, batches.languages))
+    run.say(describe(config, run, balance, num_params, batches.languages,
+                     checkpoint=pipe.checkpoint))
     step, tokens_seen, train_seconds = 0, 0, 0.0
     if resume_dir is not None:  # weights, optimizer, data stream, step counters
         restore(pipe, optimizer, resume_dir, state)
