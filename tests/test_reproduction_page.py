@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import statistics
+import subprocess
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -231,3 +233,46 @@ def test_the_notebooks_list_of_unbacked_groups_names_only_files_that_exist() -> 
     assert cited, "the list cites no JSON"
     missing = [path for path in cited if not (DATA / path).is_file()]
     assert not missing, f"the notebook's list names missing files: {missing}"
+
+
+def _recorded_commits(value: Any) -> set[str]:
+    """Every ``"commit"`` string in a result, at any depth (a summary's runs carry their own)."""
+    if isinstance(value, dict):
+        found = {value["commit"]} if isinstance(value.get("commit"), str) else set()
+        return found.union(*(_recorded_commits(inner) for inner in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_recorded_commits(inner) for inner in value))
+    return set()
+
+
+def test_every_published_result_names_a_commit_of_this_history() -> None:
+    """A result's provenance is checkable only if the commit it names can be checked out: a run
+    from a branch that never landed (or was lost) names a commit no clone has. Skipped on a
+    shallow clone, which lacks the older commits by design."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    shallow = subprocess.run([git, "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    if shallow == "true":
+        pytest.skip("a shallow clone lacks older commits")
+    commits: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "docs").rglob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        for commit in _recorded_commits(result):
+            sha = commit.removesuffix("+dirty").strip()
+            if re.fullmatch(r"[0-9a-f]{7,40}", sha):
+                commits.setdefault(sha, []).append(str(path.relative_to(ROOT)))
+    assert commits, "no result under docs/ records a commit"
+    # one git call for all: --batch-check prints "<sha> missing" for an unknown object
+    answer = subprocess.run([git, "cat-file", "--batch-check"], cwd=ROOT, capture_output=True,
+                            text=True, check=True, input="".join(f"{sha}^{{commit}}\n"
+                                                                 for sha in commits)).stdout
+    missing = [line.split()[0].removesuffix("^{commit}") for line in answer.splitlines()
+               if line.endswith(" missing")]
+    unknown = {sha: commits[sha] for sha in missing}
+    assert not unknown, ("results name commits that are not in this repository's history "
+                         f"(rerun them from a clean tree of a landed commit): {unknown}")
