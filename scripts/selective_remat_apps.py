@@ -38,6 +38,7 @@ The exhaustive check (the planner within 3% of every choice of kept layers on sm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
@@ -377,6 +378,9 @@ def run_app(name: str, args: argparse.Namespace) -> dict[str, Any]:
               if args.exhaustive else None for m in args.chunks]
     return {"app": name, "model": app.model.describe, "batch": budget_batch(app.model, 1),
             "memory": rows, "timing": timing,
+            # the per-layer seconds each M's plans were chosen with (None: counted)
+            "profiles": {str(m): None if profiles[m] is None else dataclasses.asdict(profiles[m][0])
+                         for m in args.chunks},
             "exhaustive": [dict(e, M=m) for m, e in zip(args.chunks, search, strict=True)
                            if e is not None]}
 

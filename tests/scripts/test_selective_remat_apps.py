@@ -50,6 +50,11 @@ def test_selective_remat_apps_quick(tmp_path: Path) -> None:
         assert 0 <= timing["selective_won"] <= 2
         assert timing["predicted_margin"] > 0
         assert set(timing["rank_busy_s_per_step"]["selective"][0]) == {"F", "B"}
+        # the seconds each M's plans were chosen with, per layer (the loss on the last)
+        for m in (2, 4):
+            profile = app["profiles"][str(m)]
+            assert len(profile["forward"]) == sum(rows[m, "never"]["balance"])
+            assert all(seconds > 0 for seconds in profile["backward"])
         assert [e["M"] for e in app["exhaustive"]] == [2, 4]
         for search in app["exhaustive"]:
             assert search["chosen_over_best"] <= 0.03, search
