@@ -195,10 +195,50 @@ def same_machine(first: dict[str, Any], second: dict[str, Any]) -> bool:
     return all(k in a and k in b for k in keys) and all(a[k] == b[k] for k in keys)
 
 
+def cpu_times(stat: str | None = None) -> dict[str, int] | None:
+    """The kernel's cumulative CPU time counters (``/proc/stat``'s "cpu" line, in clock
+    ticks, all CPUs): None where there is no such file (not Linux)."""
+    if stat is None:
+        try:
+            stat = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+            return dict(zip(names, map(int, fields[1:9]), strict=False))
+    return None
+
+
+# The counters when the script imported this module: a result's provenance reports the CPU
+# time of the host between then and its writing, so that a run slowed by its neighbours shows
+CPU_TIMES_AT_START = cpu_times()
+
+
+def host_cpu_shares(before: dict[str, int] | None,
+                    after: dict[str, int] | None) -> dict[str, float] | None:
+    """Shares of the host's CPU time between two :func:`cpu_times` readings: ``busy`` (user,
+    nice, system, irq, softirq), ``idle`` (idle, iowait) and ``steal``, the time the
+    hypervisor gave this virtual machine's CPUs to others while they had work. A steal share
+    of several percent means the run was slowed by other tenants: timings from it and from a
+    run without steal are not comparable even on the same CPU model."""
+    if before is None or after is None:
+        return None
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    total = sum(delta.values())
+    if total <= 0:
+        return None
+    busy = sum(delta.get(k, 0) for k in ("user", "nice", "system", "irq", "softirq"))
+    idle = delta.get("idle", 0) + delta.get("iowait", 0)
+    return {"busy": busy / total, "idle": idle / total, "steal": delta.get("steal", 0) / total}
+
+
 def provenance(load_before: tuple[float, float, float] | None = None) -> dict[str, Any]:
     """The commit (and whether the tree had uncommitted changes), torch's version, the UTC
-    time, the machine (:func:`cpu_identity`: CPU model, flags, cores), and the load average
-    (1, 5, 15 min) before the measurement and now."""
+    time, the machine (:func:`cpu_identity`: CPU model, flags, cores), the load average
+    (1, 5, 15 min) before the measurement and now, and the host's CPU time since the script
+    started (:func:`host_cpu_shares`: the steal share tells a run slowed by other tenants)."""
     return {
         "commit": _git("rev-parse", "HEAD"),
         "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
@@ -209,6 +249,8 @@ def provenance(load_before: tuple[float, float, float] | None = None) -> dict[st
                     "python": platform.python_version()},
         "load_average_before": list(load_before) if load_before is not None else None,
         "load_average_after": list(os.getloadavg()),
+        # the host's CPU time since this script started (busy, idle, stolen by other tenants)
+        "host_cpu_since_start": host_cpu_shares(CPU_TIMES_AT_START, cpu_times()),
     }
 
 
