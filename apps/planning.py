@@ -237,12 +237,13 @@ MiB = 2**20
 # test_measure_cpu_core.py keeps the two equal): fp32 matmul at half of peak_flops, the cost of
 # a tiny operator, the median bandwidth of element-wise, normalisation and pooling layers. The
 # link is an assumption (gloo over loopback). It ranks the choices; the budget is bytes.
-CPU_CORE = gp.Device("cpu_core", memory_bytes=64 * GiB, peak_flops=352.2e9, achievable=0.5,
-                     op_overhead=0.89e-6, memory_bandwidth=13.0e9, link_bandwidth=2e9,
+CPU_CORE = gp.Device("cpu_core", memory_bytes=64 * GiB, peak_flops=249.9e9, achievable=0.5,
+                     op_overhead=2.80e-6, memory_bandwidth=7.18e9, link_bandwidth=2e9,
                      link_latency=50e-6,
                      source="measured (docs/reproduction/cpu_core.json) on Intel(R) Xeon(R) "
-                            "Processor, 1 thread: fp32 matmul 176 GFLOP/s, 0.89 us per tiny op, "
-                            "element-wise layers 13.0 GB/s (median); link assumed")
+                            "Processor, 1 thread, a shared host (steal time): fp32 matmul "
+                            "125 GFLOP/s, 2.80 us per tiny op, element-wise layers 7.18 GB/s "
+                            "(median); link assumed")
 # What a budget lets the planner choose among: the fixed modes and kept layers per stage
 BUDGET_CHECKPOINTS = ("never", "except_last", "always", "selective")
 
