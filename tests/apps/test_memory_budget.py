@@ -100,9 +100,7 @@ def test_amoebanet_trains_with_the_planned_choice(shards: Path, tmp_path: Path) 
 
     args = tiny_args(shards, tmp_path / "run", stop_at_step=2)
     config = load_train_config(args)
-    peak = peaks(app_model(config), config.chunks)
-    budget = round((peak["always"] + peak["never"]) / 2, 3)
-    output = torchrun([*args, f"--memory_budget_mb={budget}"])
+    output, budget = train_at_a_halfway_budget(torchrun, args, app_model(config), config.chunks)
     assert_chose_within(output, budget)
     assert "test top-1" in output or "stopped" in output or "stop_at_step" in output, output[-2000:]
 
@@ -116,11 +114,18 @@ def test_nmt_trains_with_the_planned_choice(corpus: Path, tmp_path: Path) -> Non
 
     args = tiny_args(corpus, tmp_path / "run", max_steps=2)
     config = load_nmt_config(args)
-    peak = peaks(app_model(config), config.chunks)
-    budget = round((peak["always"] + peak["never"]) / 2, 3)
-    output = torchrun([*args, f"--memory_budget_mb={budget}"])
+    output, budget = train_at_a_halfway_budget(torchrun, args, app_model(config), config.chunks)
     assert_chose_within(output, budget)
     assert "trained 2 steps" in output, output[-2000:]
+
+
+def train_at_a_halfway_budget(torchrun, args: list[str], model,  # type: ignore[no-untyped-def]
+                              chunks: int) -> tuple[str, float]:
+    """A train run under ``torchrun`` at the budget halfway between the ``always`` and ``never``
+    peaks (which ``always`` fits and ``never`` does not): its output and the budget."""
+    peak = peaks(model, chunks)
+    budget = round((peak["always"] + peak["never"]) / 2, 3)
+    return torchrun([*args, f"--memory_budget_mb={budget}"]), budget
 
 
 def assert_chose_within(output: str, budget: float) -> None:
