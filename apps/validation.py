@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import time
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -96,17 +98,56 @@ def check_world(num_stages: int, *, environ: dict[str, str] | None = None) -> No
 # The inference commands' flags
 
 
+# How long a rank other than 0, on an error every rank reaches alike before any process group,
+# leaves rank 0 to say it under torchrun: rank 0 exits with it, and torchrun then stops this rank.
+SAY_ONCE_WAIT_S = 15.0
+
+
+def _torchrun_worker(environ: typing.Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a worker that torchrun (torch.distributed.elastic) started: its
+    agent sets ``TORCHELASTIC_RUN_ID``; a process that only has ``RANK`` set is not one."""
+    return "TORCHELASTIC_RUN_ID" in (os.environ if environ is None else environ)
+
+
+def leave_it_to_rank_0(wait_s: float = SAY_ONCE_WAIT_S) -> bool:
+    """On a rank other than 0, with an error every rank reaches alike before any process group:
+    whether this rank should say it too. Rank 0 always says it. Under torchrun another rank
+    waits up to ``wait_s`` with SIGTERM's default action back (the train scripts turn SIGTERM
+    into a flag): had it exited at once, torchrun could stop rank 0 before rank 0 printed (a
+    slow import on a busy host) and the run would end with no line at all. Rank 0 exiting with
+    the error makes torchrun stop this rank during the wait; if the run outlives the wait (rank
+    0 did not fail alike), this rank says it, so it is never lost. A process with ``RANK`` set
+    outside torchrun leaves it to rank 0 at once."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return True
+    if not _torchrun_worker():
+        return False
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread: the handler stays
+        pass
+    time.sleep(wait_s)
+    return True
+
+
+def say_once(line: str, *, wait_s: float = SAY_ONCE_WAIT_S) -> None:
+    """Print ``line`` (an ``error: ...`` line every rank reaches alike) once for the run under
+    torchrun: rank 0 at once, another rank only if the run outlives
+    :func:`leave_it_to_rank_0`'s wait."""
+    if leave_it_to_rank_0(wait_s):
+        print(line, file=sys.stderr, flush=True)
+
+
 class CommandParser(argparse.ArgumentParser):
     """argparse whose errors are one ``error: <message>; see <prog> --help`` line, exit 2, said
-    by rank 0 only under torchrun (argparse prints its usage and ``prog: error:`` on every
-    rank)."""
+    once under torchrun (:func:`say_once`; argparse prints its usage and ``prog: error:`` on
+    every rank)."""
 
     def error(self, message: str) -> NoReturn:
         head, _, rest = message.partition(": ")
         if head.startswith("argument ") and rest.startswith(head.removeprefix("argument ")):
             message = rest  # "argument --threads: --threads=0 ..." names the flag once
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {message}; see `{self.prog} --help`", file=sys.stderr, flush=True)
+        say_once(f"error: {message}; see `{self.prog} --help`")
         sys.exit(2)
 
 

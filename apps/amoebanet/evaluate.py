@@ -57,7 +57,7 @@ from apps.config import ConfigError
 from apps.harness.checkpoints import CheckpointError, unpin
 from apps.harness.run import end_run
 from apps.report_writes import ReportWriteError, report_write
-from apps.validation import CommandParser, at_least, device_name, threads
+from apps.validation import CommandParser, at_least, device_name, say_once, threads
 
 __all__ = ["default_out", "evaluate_checkpoint", "evaluate_pipelined", "main",
            "write_report_files"]
@@ -168,8 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          out=args.out, device=args.device)
     except (CheckpointError, gp.CheckpointCorruptError, DatasetNotFoundError,
             ConfigError) as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {error}", file=sys.stderr)
+        say_once(f"error: {error}")  # every rank reaches the same error
         return 2
     except ReportWriteError as error:  # rank 0's only: it writes the report
         print(f"error: {error}", file=sys.stderr)

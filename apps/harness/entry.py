@@ -17,6 +17,7 @@ from apps.harness.checkpoints import CheckpointError, CheckpointWriteError
 from apps.harness.guards import DivergenceError, Interrupted
 from apps.harness.loop import progress_bar_open
 from apps.harness.writes import RunWriteError
+from apps.validation import leave_it_to_rank_0
 
 CLEAR_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, CheckpointError, CheckpointWriteError, gp.CheckpointCorruptError,
@@ -94,8 +95,8 @@ def _first_to_say(error: BaseException) -> bool:
         # each survivor says where it stopped, unless it only repeats the error that the
         # failed rank prints itself (a full disk on rank 0 is one line, not one per rank)
         return not _said_by_the_failed_rank(store, str(error))
-    if store is None:
-        return rank == 0  # before the process group: every rank read the same config
+    if store is None:  # before the process group: every rank read the same config
+        return leave_it_to_rank_0()  # torchrun stops this rank once rank 0 has said it
     try:
         if rank == 0:
             return True

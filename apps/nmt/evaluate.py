@@ -44,7 +44,7 @@ from apps.nmt.checkpoint_loading import LOAD_ERRORS, load_checkpoint, load_pipel
 from apps.nmt.pipelined_search import pipeline_search
 from apps.nmt.scoring import evaluate, format_report, plot_report, write_report
 from apps.report_writes import ReportWriteError, report_write
-from apps.validation import CommandParser, at_least, device_name, threads
+from apps.validation import CommandParser, at_least, device_name, say_once, threads
 
 __all__ = ["evaluate_checkpoint", "main"]
 
@@ -140,8 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
         )
     except LOAD_ERRORS as error:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank reaches the same error
-            print(f"error: {error}", file=sys.stderr)
+        say_once(f"error: {error}")  # every rank reaches the same error
         return 2
     except ReportWriteError as error:  # rank 0's only: it writes the report
         print(f"error: {error}", file=sys.stderr)

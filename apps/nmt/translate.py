@@ -65,7 +65,7 @@ from apps.nmt.checkpoint_loading import (
 from apps.nmt.data import Tokenizer
 from apps.nmt.decoding import Sentence, translate
 from apps.nmt.pipelined_search import pipeline_search
-from apps.validation import CommandParser, device_name, threads
+from apps.validation import CommandParser, device_name, say_once, threads
 
 __all__ = ["encode_lines", "main", "translate_lines"]
 
@@ -158,8 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pipelined = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun
 
     def fail(message: str) -> int:
-        if rank == 0:  # every rank reaches the same errors; one says it
-            print(f"error: {message}", file=sys.stderr, flush=True)
+        say_once(f"error: {message}")  # every rank reaches the same errors; one says it
         return 2
 
     for name in ("beam_size", "max_len", "batch_lines"):
