@@ -125,7 +125,8 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
     what the loss saved, freed by then); its output the loss."""
     merged = {name: list(getattr(costs, name)[:-1]) for name in (
         "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
-        "input_bytes", "output_bytes", "backward_bytes", "backward_fixed_bytes",
+        "input_bytes", "output_bytes", "output_unsaved_bytes", "backward_bytes",
+        "backward_fixed_bytes",
         "forward_flops", "backward_flops", "forward_ops", "backward_ops", *_TRAFFIC)}
     for name in ("param_count", "param_bytes", "forward_flops", "backward_flops", "forward_ops",
                  "backward_ops", *_TRAFFIC):
@@ -140,6 +141,7 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
     merged["backward_fixed_bytes"][-1] = max(merged["backward_fixed_bytes"][-1],
                                              costs.backward_fixed_bytes[-1])
     merged["output_bytes"][-1] = costs.output_bytes[-1]  # the last stage ends in the loss
+    merged["output_unsaved_bytes"][-1] = costs.output_unsaved_bytes[-1]
     return gp.LayerCosts(batch_size=costs.batch_size, **merged)
 
 

@@ -10,6 +10,9 @@ on a sample batch and counts, per layer:
   ``saved_input_bytes`` and only when the previous layer did not already save them (its
   output saved by both counts with the first), the way the CPU memory model counts them;
 - ``input_bytes`` / ``output_bytes``: the boundary message a stage receives or sends;
+- ``output_unsaved_bytes``: the part of ``output_bytes`` whose storage the layer did not save
+  for its own backward: what a stage ending at this layer holds apart, per micro-batch, while
+  it waits for the output's gradient (it keeps its outputs to run the backward from them);
 - ``backward_bytes``: the most the layer's backward holds at once beyond what the forward
   saved: the gradient it receives (``output_bytes``), its temporaries and the gradient of its
   input, replayed from every storage its backward creates and frees; parameter gradients are
@@ -68,6 +71,7 @@ class LayerCosts:
     saved_input_bytes: list[float] = field(default_factory=list)  # inputs it saves, not saved before
     input_bytes: list[float] = field(default_factory=list)
     output_bytes: list[float] = field(default_factory=list)
+    output_unsaved_bytes: list[float] = field(default_factory=list)  # output it did not save
     backward_bytes: list[float] = field(default_factory=list)  # held by its backward, per batch
     backward_fixed_bytes: list[float] = field(default_factory=list)  # and at any batch
     forward_flops: list[float] = field(default_factory=list)
@@ -283,14 +287,20 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
                     for key, size in saved.sizes.items() if key in input_keys]
     own = sum(size for key, size in saved.sizes.items() if key not in input_keys)
     y = map_tensors(y, lambda t: t.detach())
-    saved_outputs = frozenset(i for i, t in enumerate(_tensors(y))
+    output_leaves = _tensors(y)
+    saved_outputs = frozenset(i for i, t in enumerate(output_leaves)
                               if _storage_key(t) in saved.sizes)
+    unsaved: dict[int, int] = {}  # each storage once: two outputs may be views of one
+    for i, t in enumerate(output_leaves):
+        if i not in saved_outputs:
+            unsaved[_storage_key(t)] = t.numel() * t.element_size()
     values = {
         "param_count": sum(p.numel() for p in layer.parameters()),
         "param_bytes": float(sum(p.numel() * p.element_size() for p in layer.parameters())),
         "saved_bytes": float(own),
         "input_bytes": _nbytes(x),
         "output_bytes": _nbytes(y),
+        "output_unsaved_bytes": float(sum(unsaved.values())),
         "backward_bytes": float(backward_held),
         "forward_flops": float(forward_count.get_total_flops()),
         "backward_flops": float(backward_count.get_total_flops()),

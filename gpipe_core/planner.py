@@ -200,6 +200,9 @@ def plan(
     backward_bytes: Sequence[float] | None = None
     backward_fixed: Sequence[float] | None = None
     own_saved: Sequence[float] | None = None
+    gradient_bytes: Sequence[float] | None = None  # per layer: its parameters' gradients
+    # per layer: its output not saved by it, which a stage ending there keeps for its backward
+    output_unsaved: Sequence[float] | None = None
     remat: dict[int, tuple[list[float], list[float]]] = {}
     if profiles:
         measured = _from_profiles(profiles)
@@ -237,6 +240,8 @@ def plan(
         backward_bytes = whole.backward_bytes or None  # None: costs counted before the field
         backward_fixed = whole.backward_fixed_bytes or [0.0] * len(whole.backward_bytes)
         own_saved = whole.saved_bytes
+        gradient_bytes = whole.param_bytes  # a gradient has its weight's dtype and size
+        output_unsaved = whole.output_unsaved_bytes or None  # None: counted before the field
         if memory_budget is None:
             memory_budget = device.memory_bytes
     if (forward is None or backward is None or activation_bytes is None or input_bytes is None
@@ -278,8 +283,9 @@ def plan(
                     backward_weight=backward_weight,
                     backward_input=backward_input, checkpoints=checkpoints, stage_kept=stage_kept,
                     boundary_bytes=boundary_bytes, backward_bytes=backward_bytes,
-                    backward_fixed=backward_fixed, own_saved=own_saved, device=device,
-                    balance=balance)
+                    backward_fixed=backward_fixed, own_saved=own_saved,
+                    gradient_bytes=gradient_bytes, output_unsaved=output_unsaved,
+                    device=device, balance=balance)
                 plans += found
                 smallest = min(smallest, least)
     if not plans:
@@ -362,9 +368,19 @@ def _plans_for(
     backward_bytes: Sequence[float] | None = None,
     backward_fixed: Sequence[float] | None = None,
     own_saved: Sequence[float] | None = None,
+    gradient_bytes: Sequence[float] | None = None,
+    output_unsaved: Sequence[float] | None = None,
 ) -> tuple[list[Plan], float]:
     """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
-    the smallest peak memory of any of its configurations (fitting or not)."""
+    the smallest peak memory of any of its configurations (fitting or not).
+
+    With ``gradient_bytes`` (per layer; counted costs), a rank's parameter gradients count from
+    its first backward on, as they are made (``param_bytes`` includes them: the plan's
+    ``activation_bytes`` is the rest of the peak), and a rank holds the receives the transport
+    posts early: a peak before the first backward has no gradients in it. With
+    ``output_unsaved`` (per layer), a stage that sends its output and runs its last layer with
+    autograd keeps that output for its backward, per micro-batch in flight, where its last
+    layer did not save it already."""
     num_stages = k * v
     if balance is None:
         balance = optimal_balance([f + b for f, b in zip(forward, backward, strict=True)],
@@ -400,13 +416,20 @@ def _plans_for(
             fwd = [per_stage(forward, a, b) / m + per_action_overhead for a, b in stages]
             bwd = [per_stage(backward, a, b) / m + per_action_overhead for a, b in stages]
             inp, wgt = share(backward_input, bwd), share(backward_weight, bwd)
+        # the output a stage keeps to run its backward from, where not saved (not the last's:
+        # it keeps the loss)
+        outputs_kept = [0.0 if output_unsaved is None or b == len(forward)
+                        else output_unsaved[b - 1] / m for _, b in stages]
         acts = [(stage_kept(a, b) if stage_kept is not None
-                 else per_stage(activation_bytes, a, b)) / m for a, b in stages]
+                 else per_stage(activation_bytes, a, b)) / m + held_out
+                for (a, b), held_out in zip(stages, outputs_kept, strict=True)]
         inputs = [input_bytes[a] / m for a, _ in stages]
         # the messages a rank holds once sent (counted where the sizes come from costs)
         outputs = (None if boundary_bytes is None
                    else [boundary_bytes[b - 1] / m for _, b in stages])
         params = [per_stage(param_bytes, a, b) for a, b in stages]
+        grads = (None if gradient_bytes is None
+                 else [per_stage(gradient_bytes, a, b) for a, b in stages])
         links: float | list[float] = transfer
         if boundary_bytes is not None and device is not None:
             links = [transfer + device.transfer_seconds(boundary_bytes[b - 1] / m)
@@ -417,15 +440,17 @@ def _plans_for(
             continue
         on_rank = [actions.stages_on(r) for r in range(k)]
         held = [sum(params[s] for s in mine) for mine in on_rank]
+        # the gradients a rank makes during its step: counted by the simulation, as made
+        rank_grads = [0.0 if grads is None else sum(grads[s] for s in mine) for mine in on_rank]
         layer_forward = (list(microbatch_costs[m][0]) if m in microbatch_costs
                          else [f / m for f in forward])
         # a re-materialized micro-batch's first forward (without autograd) and the rerun its
         # backward adds: as measured where a profile of this M measured them, else each the
         # forward with autograd
-        layer_remat = (microbatch_remat[m] if microbatch_remat and m in microbatch_remat
-                       else None)
-        selective = _Selective(
-            stages, actions, on_rank, held, layer_forward,
+        layer_remat = (microbatch_remat or {}).get(m)
+        selective = _Selective(  # held throughout: the parameters less the step's gradients
+            stages, actions, on_rank, [h - g for h, g in zip(held, rank_grads, strict=True)],
+            layer_forward,
             [a / m for a in activation_bytes], [i / m for i in input_bytes],
             [0.0] * len(forward) if backward_bytes is None or backward_fixed is None else [
                 b / m + fixed for b, fixed in zip(backward_bytes, backward_fixed, strict=True)],
@@ -433,7 +458,9 @@ def _plans_for(
             None if own_saved is None else [o / m for o in own_saved],
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
                  transfer=links, activation_bytes=acts, input_bytes=inputs,
-                 output_bytes=outputs), layer_remat)
+                 output_bytes=outputs, gradient_bytes=grads,
+                 posted_receives=grads is not None), layer_remat, gradient_bytes,
+            outputs_kept)
         for checkpoint in checkpoints:
             if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
                 if isinstance(checkpoint, Remat):
@@ -442,6 +469,7 @@ def _plans_for(
                 else:
                     keep = selective.choose(memory_budget)
                 sim, kept = selective.evaluate(keep)
+                kept = [x - g for x, g in zip(kept, rank_grads, strict=True)]
                 peak = max(h + x for h, x in zip(held, kept, strict=True))
                 smallest = min(smallest, peak)
                 if peak <= memory_budget:
@@ -453,8 +481,11 @@ def _plans_for(
             # During a backward: one micro-batch's rebuilt activations if re-materialized (a
             # split backward's I keeps them until W; the simulation counts that), and the
             # backward's own gradients and temporaries.
-            working = [selective.working(s, set(range(a, b)) if checkpoint == "never" else set())
-                       for s, (a, b) in enumerate(stages)]
+            every = [set(range(a, b)) if checkpoint == "never" else set() for a, b in stages]
+            working = [selective.working(s, every[s]) for s in range(len(stages))]
+            first_working = (None if grads is None else
+                             [selective.working(s, every[s], first=True)
+                              for s in range(len(stages))])
             sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
                            transfer=links, checkpoint=checkpoint,
                            forward_no_grad=None if layer_remat is None else [
@@ -462,9 +493,11 @@ def _plans_for(
                            recompute=None if layer_remat is None else [
                                per_stage(layer_remat[1], a, b) for a, b in stages],
                            activation_bytes=acts,
-                           input_bytes=inputs, output_bytes=outputs,
-                           backward_working_bytes=working)
-            kept = sim.peak_bytes
+                           input_bytes=inputs, output_bytes=outputs, gradient_bytes=grads,
+                           backward_working_bytes=working,
+                           first_backward_working_bytes=first_working,
+                           posted_receives=grads is not None)
+            kept = [x - g for x, g in zip(sim.peak_bytes, rank_grads, strict=True)]
             peak = max(h + a for h, a in zip(held, kept, strict=True))
             smallest = min(smallest, peak)
             if peak <= memory_budget:
@@ -486,7 +519,9 @@ class _Selective:
                  layer_inputs: Sequence[float], layer_backward: Sequence[float],
                  layer_outputs: Sequence[float], layer_own: Sequence[float] | None,
                  simulate_kwargs: dict[str, Any],
-                 layer_remat: tuple[Sequence[float], Sequence[float]] | None = None) -> None:
+                 layer_remat: tuple[Sequence[float], Sequence[float]] | None = None,
+                 layer_grads: Sequence[float] | None = None,
+                 outputs_kept: Sequence[float] | None = None) -> None:
         self.stages = list(stages)
         self.actions = actions
         self.on_rank = on_rank
@@ -504,6 +539,10 @@ class _Selective:
         self.layer_outputs = layer_outputs  # per layer: its output, one micro-batch
         # per layer: what it saves of its own making (not its inputs), one micro-batch
         self.layer_own = layer_own
+        # per stage: the output it keeps for its backward when its last layer is kept
+        self.outputs_known = outputs_kept is not None
+        self.outputs_kept = list(outputs_kept or [0.0] * len(self.stages))
+        self.layer_grads = layer_grads  # per layer: its parameters' gradients (None: not counted)
         self.simulate_kwargs = simulate_kwargs
 
     def _runs(self, s: int, keep: set[int]) -> list[list[int]]:
@@ -526,11 +565,12 @@ class _Selective:
         holds its whole input too, not only what its first layer saves of it (a cell that
         reads the two previous outputs saves neither whole)."""
         a, b = self.stages[s]
+        output = self.outputs_kept[s] if b - 1 in keep else 0.0  # a kept last run's outputs
         if self.layer_own is None:
             return (sum(self.layer_bytes[i] for i in keep if a <= i < b)
                     + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)
-                          if run[0] not in keep))
-        total = 0.0
+                          if run[0] not in keep)) + output
+        total = output
         for run in self._runs(s, keep):
             total += self.layer_inputs[run[0]]
             if run[0] in keep:  # its layers' activations, its first one's inputs counted above
@@ -538,7 +578,7 @@ class _Selective:
                     self.layer_bytes[run[0]] - self.layer_own[run[0]])
         return total
 
-    def working(self, s: int, keep: set[int]) -> float:
+    def working(self, s: int, keep: set[int], first: bool = False) -> float:
         """What stage s's backward of one micro-batch adds to what its micro-batches keep, at
         its largest. The stage goes back through its runs (maximal runs of kept or of
         recomputed layers, last first), one autograd pass each, which holds the run's output
@@ -552,13 +592,24 @@ class _Selective:
         passed by then). What they saved of their inputs is not subtracted (an earlier layer
         may still hold it: AmoebaNet's cells read the two previous outputs), nor the stage's
         last layer's (its output is held to the end), so the count stays an upper bound; it
-        may be negative (the kept bytes it adds to count the whole micro-batch)."""
+        may be negative (the kept bytes it adds to count the whole micro-batch). ``first``:
+        the stage's first backward, which also makes its parameters' gradients, layer by layer
+        (the gradients of the layers from the current one to the stage's last)."""
         a, b = self.stages[s]
         runs = self._runs(s, keep)
-        # what the kept layers from i on saved of their own making, the stage's last left out
+        # what the kept layers from i on saved of their own making; of the stage's last, only
+        # what is not its output (the stage holds that to its backward's end), all of it if
+        # which outputs it saved is not known
         own = [self.layer_own[i] if self.layer_own is not None and i in keep and i < b - 1
                else 0.0 for i in range(a, b)]
+        if self.layer_own is not None and b - 1 in keep and self.outputs_known:
+            last_stage = s == len(self.stages) - 1  # it ends in the loss: a scalar
+            saved_output = 0.0 if last_stage else max(
+                self.layer_outputs[b - 1] - self.outputs_kept[s], 0.0)
+            own[-1] = max(self.layer_own[b - 1] - saved_output, 0.0)
         passed_from = [sum(own[j - a:]) for j in range(a, b + 1)]
+        made_from = [sum(self.layer_grads[j:b]) if first and self.layer_grads is not None
+                     else 0.0 for j in range(a, b)]
         most = -float("inf")
         for run in runs:
             last = run[-1]
@@ -571,7 +622,8 @@ class _Selective:
                 # the run's received gradient, in the layer's own count at the run's end
                 received = 0.0 if i == last else self.layer_outputs[last]
                 most = max(most, partial + self.layer_backward[i] + self.layer_outputs[last]
-                           + received + stage_received - passed_from[i + 1 - a])
+                           + received + stage_received - passed_from[i + 1 - a]
+                           + made_from[i - a])
         return most
 
     def evaluate(self, keep: Sequence[set[int]]) -> tuple[Simulation, list[float]]:
@@ -589,6 +641,9 @@ class _Selective:
                        kept_bytes=[self.kept_bytes(s, keep[s]) for s in range(len(self.stages))],
                        backward_working_bytes=[self.working(s, keep[s])
                                                for s in range(len(self.stages))],
+                       first_backward_working_bytes=None if self.layer_grads is None else [
+                           self.working(s, keep[s], first=True)
+                           for s in range(len(self.stages))],
                        **self.simulate_kwargs)
         return sim, sim.peak_bytes
 

@@ -54,6 +54,8 @@ def simulate(
     working_bytes: Sequence[float] | None = None,
     kept_bytes: Sequence[float] | None = None,
     backward_working_bytes: Sequence[float] | None = None,
+    first_backward_working_bytes: Sequence[float] | None = None,
+    posted_receives: bool = False,
     per_round: bool = False,
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
@@ -94,6 +96,13 @@ def simulate(
     the most a B (or I) of stage s adds while it runs to what the rank holds just before it
     (that micro-batch's kept bytes included, the activations its gradient answered freed):
     what a plan counts from per-layer costs, where ``working_bytes`` is measured per action.
+    ``first_backward_working_bytes[s]``: the same for stage s's first B, which makes its
+    parameters' gradients as it goes (default: ``backward_working_bytes[s]`` plus all of
+    ``gradient_bytes[s]``, an upper bound). ``posted_receives``: the transport posts each
+    link's next receive as soon as the current one arrives (gloo's, :mod:`~gpipe_core.channel`),
+    so a rank also holds one message-sized buffer per link it receives on from another rank
+    (``input_bytes[s]`` for activations, ``output_bytes[s]`` for gradients) from the step's
+    start until that link's last message arrives.
 
     ``per_round`` (with a profile): simulate each of the profile's timed rounds with that
     round's own costs (:meth:`~gpipe_core.stage_profile.StageProfile.round`) and return the round
@@ -116,7 +125,9 @@ def simulate(
                                 activation_bytes=activation_bytes, input_bytes=input_bytes,
                                 output_bytes=output_bytes, gradient_bytes=gradient_bytes,
                                 working_bytes=working_bytes, kept_bytes=kept_bytes,
-                                backward_working_bytes=backward_working_bytes)
+                                backward_working_bytes=backward_working_bytes,
+                                first_backward_working_bytes=first_backward_working_bytes,
+                                posted_receives=posted_receives)
                        for r in range(rounds)),
                       key=lambda sim: sim.step_time)
         return runs[(rounds - 1) // 2]
@@ -145,7 +156,8 @@ def simulate(
     for name, values in (("activation_bytes", activation_bytes), ("input_bytes", input_bytes),
                          ("output_bytes", output_bytes), ("gradient_bytes", gradient_bytes),
                          ("working_bytes", working_bytes), ("kept_bytes", kept_bytes),
-                         ("backward_working_bytes", backward_working_bytes)):
+                         ("backward_working_bytes", backward_working_bytes),
+                         ("first_backward_working_bytes", first_backward_working_bytes)):
         if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} sizes for {k} stages; give one per stage")
     costs = {"F": list(forward_costs), **_backward_costs(backward, backward_input, backward_weight)}
@@ -168,7 +180,14 @@ def simulate(
     peak_inflight = [0] * ranks
     memory = [_RankMemory() for _ in range(ranks)]
     sizes = _Sizes(activation_bytes, input_bytes, output_bytes, gradient_bytes, working_bytes,
-                   kept_bytes, backward_working_bytes)
+                   kept_bytes, backward_working_bytes, first_backward_working_bytes)
+    if posted_receives and input_bytes is not None and output_bytes is not None:
+        for s in range(k):  # each link this stage receives on from another rank: m messages
+            r = placement[s]
+            if s > 0 and placement[s - 1] != r:
+                memory[r].posted[("F", s)] = (float(input_bytes[s]), m)
+            if s + 1 < k and placement[s + 1] != r:
+                memory[r].posted[("BI", s)] = (float(output_bytes[s]), m)
     total = sum(len(row) for row in schedule.actions)
     done = 0
     while done < total:
@@ -243,6 +262,16 @@ class _Sizes:
     working: Sequence[float] | None
     selective: Sequence[float] | None = None  # kept when re-materialized, if not the input
     backward_working: Sequence[float] | None = None  # a B or I's own, above all held
+    first_backward_working: Sequence[float] | None = None  # a stage's first B, its gradients
+
+    def first_backward(self, s: int) -> float | None:
+        """What stage s's first B adds while it runs, the gradients it makes included."""
+        if self.first_backward_working is not None:
+            return self.first_backward_working[s]
+        if self.backward_working is None:
+            return None
+        return self.backward_working[s] + (self.gradient[s] if self.gradient is not None
+                                           else 0.0)
 
     def kept(self, s: int, rematerialized: bool) -> float:
         """What stage s keeps for one micro-batch from its F until its B (or I, then W)."""
@@ -267,13 +296,17 @@ class _RankMemory:
     # that micro-batch's gradient (or a later one's) comes back; input gradients, to the end
     sent_activations: dict[tuple[int, int], float] = field(default_factory=dict)
     sent_gradients: float = 0.0
+    # receives posted early, by link ((kind, stage) receiving): (bytes, messages still to come)
+    posted: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
     gradients: float = 0.0  # the gradients of its stages that have run a backward
     stages_with_gradients: set[int] = field(default_factory=set)
     peak: float = 0.0
 
     @property
     def sent(self) -> float:
-        return sum(self.sent_activations.values()) + self.sent_gradients
+        """Message buffers held: sent ones not yet known taken, and receives posted early."""
+        return (sum(self.sent_activations.values()) + self.sent_gradients
+                + sum(size for size, _ in self.posted.values()))
 
     def run(self, kind: str, s: int, mb: int, rematerialized: bool, sizes: _Sizes,
             sends_to_other_rank: bool) -> None:
@@ -282,6 +315,13 @@ class _RankMemory:
         if kind in "BI":  # its gradient came back: the activations it answers were taken
             for key in [key for key in self.sent_activations if key[0] == s and key[1] <= mb]:
                 del self.sent_activations[key]
+        link = ("F", s) if kind == "F" else ("BI", s) if kind in "BI" else None
+        if link in self.posted:  # a message arrived: the next receive is posted, if one is due
+            size, left = self.posted[link]
+            if left > 1:
+                self.posted[link] = (size, left - 1)
+            else:
+                del self.posted[link]
         # What this micro-batch holds when the action starts: nothing before its F; after an
         # I, the graph I rebuilt (activation bytes), which W frees.
         held = sizes.kept(s, rematerialized)
@@ -292,8 +332,11 @@ class _RankMemory:
         else:
             before = held
         if kind in "BI" and sizes.backward_working is not None:  # everything held, and its work
-            self.peak = max(self.peak, self.kept + self.sent + self.gradients
-                            + sizes.backward_working[s])
+            working = sizes.backward_working[s]
+            if kind == "B" and s not in self.stages_with_gradients:
+                first = sizes.first_backward(s)
+                working = working if first is None else first
+            self.peak = max(self.peak, self.kept + self.sent + self.gradients + working)
         if sizes.working is not None:  # during the action: the others, its input, its work
             self.peak = max(self.peak, self.kept - before + sizes.received(s) + self.sent
                             + self.gradients + sizes.working[s])
