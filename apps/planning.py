@@ -125,6 +125,7 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
     what the loss saved, freed by then); its output the loss."""
     merged = {name: list(getattr(costs, name)[:-1]) for name in (
         "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
+        "saved_fixed_bytes",
         "input_bytes", "output_bytes", "output_unsaved_bytes", "backward_bytes",
         "backward_fixed_bytes",
         "forward_flops", "backward_flops", "forward_ops", "backward_ops", *_TRAFFIC)}
@@ -132,6 +133,7 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
                  "backward_ops", *_TRAFFIC):
         merged[name][-1] += getattr(costs, name)[-1]
     merged["saved_bytes"][-1] += costs.saved_bytes[-1] + costs.saved_input_bytes[-1]
+    merged["saved_fixed_bytes"][-1] += costs.saved_fixed_bytes[-1]
     # The loss's backward runs first (the output's gradient), then the layer's, which receives
     # it once the loss's saved tensors are freed: what the layer's own backward holds at once
     # is above a kept count that still has them.

@@ -9,6 +9,9 @@ on a sample batch and counts, per layer:
   saved twice count once, parameters never; a layer's input storages are counted apart in
   ``saved_input_bytes`` and only when the previous layer did not already save them (its
   output saved by both counts with the first), the way the CPU memory model counts them;
+  ``saved_fixed_bytes``: the part of ``saved_bytes`` that does not grow with the batch (a
+  normalisation's per-channel statistics), counted at the sample's batch and at twice it, so
+  a micro-batch's count is not the batch's share of it;
 - ``input_bytes`` / ``output_bytes``: the boundary message a stage receives or sends;
 - ``output_unsaved_bytes``: the part of ``output_bytes`` whose storage the layer did not save
   for its own backward: what a stage ending at this layer holds apart, per micro-batch, while
@@ -55,7 +58,8 @@ from .microbatch import flatten, map_tensors
 __all__ = ["LayerCosts", "layer_costs", "structural_key"]
 
 # Fields that do not scale with the batch.
-_PER_SAMPLE = ("param_count", "param_bytes", "backward_fixed_bytes", "forward_ops",
+_PER_SAMPLE = ("param_count", "param_bytes", "saved_fixed_bytes", "backward_fixed_bytes",
+               "forward_ops",
                "backward_ops", "forward_traffic_fixed_bytes", "backward_traffic_fixed_bytes")
 
 
@@ -69,6 +73,7 @@ class LayerCosts:
     param_bytes: list[float] = field(default_factory=list)
     saved_bytes: list[float] = field(default_factory=list)  # saved for backward, inputs apart
     saved_input_bytes: list[float] = field(default_factory=list)  # inputs it saves, not saved before
+    saved_fixed_bytes: list[float] = field(default_factory=list)  # of saved_bytes, at any batch
     input_bytes: list[float] = field(default_factory=list)
     output_bytes: list[float] = field(default_factory=list)
     output_unsaved_bytes: list[float] = field(default_factory=list)  # output it did not save
@@ -93,6 +98,9 @@ class LayerCosts:
         values = {f.name: (getattr(self, f.name) if f.name in _PER_SAMPLE or f.name == "names"
                            else [v * ratio for v in getattr(self, f.name)])
                   for f in fields(self) if f.name != "batch_size"}
+        if self.saved_fixed_bytes:  # what does not grow with the batch stays as counted
+            values["saved_bytes"] = [fixed + (v - fixed) * ratio for v, fixed in
+                                     zip(self.saved_bytes, self.saved_fixed_bytes, strict=True)]
         return LayerCosts(batch_size=batch_size, **values)  # type: ignore[arg-type]
 
     def select(self, indices: Sequence[int]) -> LayerCosts:
@@ -398,6 +406,9 @@ def layer_costs(
                 max(count2.values[growing_name] - at_batch, 0.0), at_batch)
             getattr(costs, growing_name)[-1] = growing
             getattr(costs, fixed_name).append(at_batch - growing)
+        at_batch = count.values["saved_bytes"]
+        costs.saved_fixed_bytes.append(0.0 if count2 is None else at_batch - min(
+            max(count2.values["saved_bytes"] - at_batch, 0.0), at_batch))
         costs.saved_input_bytes.append(float(sum(
             size for leaves, size in count.saved_inputs if not leaves & previous_saved)))
         previous_saved = count.saved_outputs

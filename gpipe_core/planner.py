@@ -203,6 +203,7 @@ def plan(
     gradient_bytes: Sequence[float] | None = None  # per layer: its parameters' gradients
     # per layer: its output not saved by it, which a stage ending there keeps for its backward
     output_unsaved: Sequence[float] | None = None
+    saved_fixed: Sequence[float] | None = None  # per layer: what it saves at any batch size
     remat: dict[int, tuple[list[float], list[float]]] = {}
     if profiles:
         measured = _from_profiles(profiles)
@@ -242,6 +243,7 @@ def plan(
         own_saved = whole.saved_bytes
         gradient_bytes = whole.param_bytes  # a gradient has its weight's dtype and size
         output_unsaved = whole.output_unsaved_bytes or None  # None: counted before the field
+        saved_fixed = whole.saved_fixed_bytes or None
         if memory_budget is None:
             memory_budget = device.memory_bytes
     if (forward is None or backward is None or activation_bytes is None or input_bytes is None
@@ -285,7 +287,7 @@ def plan(
                     boundary_bytes=boundary_bytes, backward_bytes=backward_bytes,
                     backward_fixed=backward_fixed, own_saved=own_saved,
                     gradient_bytes=gradient_bytes, output_unsaved=output_unsaved,
-                    device=device, balance=balance)
+                    saved_fixed=saved_fixed, device=device, balance=balance)
                 plans += found
                 smallest = min(smallest, least)
     if not plans:
@@ -370,6 +372,7 @@ def _plans_for(
     own_saved: Sequence[float] | None = None,
     gradient_bytes: Sequence[float] | None = None,
     output_unsaved: Sequence[float] | None = None,
+    saved_fixed: Sequence[float] | None = None,
 ) -> tuple[list[Plan], float]:
     """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
     the smallest peak memory of any of its configurations (fitting or not).
@@ -380,7 +383,8 @@ def _plans_for(
     posts early: a peak before the first backward has no gradients in it. With
     ``output_unsaved`` (per layer), a stage that sends its output and runs its last layer with
     autograd keeps that output for its backward, per micro-batch in flight, where its last
-    layer did not save it already."""
+    layer did not save it already. ``saved_fixed`` (per layer): the part of the saved bytes
+    that every micro-batch keeps whole, whatever its size (per-channel statistics)."""
     num_stages = k * v
     if balance is None:
         balance = optimal_balance([f + b for f, b in zip(forward, backward, strict=True)],
@@ -420,8 +424,16 @@ def _plans_for(
         # it keeps the loss)
         outputs_kept = [0.0 if output_unsaved is None or b == len(forward)
                         else output_unsaved[b - 1] / m for _, b in stages]
+        fixed = [0.0] * len(forward) if saved_fixed is None else list(saved_fixed)
+
+        def per_microbatch(values: Sequence[float]) -> list[float]:
+            """Saved bytes per layer for one micro-batch: a share of the batch's growing part,
+            and the fixed part whole."""
+            return [(v - f) / m + f for v, f in zip(values, fixed, strict=True)]
+
         acts = [(stage_kept(a, b) if stage_kept is not None
                  else per_stage(activation_bytes, a, b)) / m + held_out
+                + per_stage(fixed, a, b) * (1 - 1 / m)
                 for (a, b), held_out in zip(stages, outputs_kept, strict=True)]
         inputs = [input_bytes[a] / m for a, _ in stages]
         # the messages a rank holds once sent (counted where the sizes come from costs)
@@ -451,11 +463,11 @@ def _plans_for(
         selective = _Selective(  # held throughout: the parameters less the step's gradients
             stages, actions, on_rank, [h - g for h, g in zip(held, rank_grads, strict=True)],
             layer_forward,
-            [a / m for a in activation_bytes], [i / m for i in input_bytes],
+            per_microbatch(activation_bytes), [i / m for i in input_bytes],
             [0.0] * len(forward) if backward_bytes is None or backward_fixed is None else [
                 b / m + fixed for b, fixed in zip(backward_bytes, backward_fixed, strict=True)],
             [0.0] * len(forward) if boundary_bytes is None else [o / m for o in boundary_bytes],
-            None if own_saved is None else [o / m for o in own_saved],
+            None if own_saved is None else per_microbatch(own_saved),
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
                  transfer=links, activation_bytes=acts, input_bytes=inputs,
                  output_bytes=outputs, gradient_bytes=grads,
