@@ -229,7 +229,8 @@ class _Allocations(TorchDispatchMode):
 
 
 class _SavedStorages:
-    """The storages autograd saves, by key, with their sizes; parameters excluded."""
+    """The storages autograd saves, by key, with their sizes; the module's parameters and
+    buffers excluded."""
 
     def __init__(self, parameters: set[int]) -> None:
         self.sizes: dict[int, int] = {}
@@ -368,7 +369,9 @@ def layer_costs(
         if not tensors or tensors[0].dim() == 0:
             raise ValueError("sample has no batched tensor; pass batch_size=")
         batch_size = int(tensors[0].shape[0])
-    parameters = {_storage_key(p) for p in module.parameters()}
+    # the module's own tensors (parameters, and buffers such as running statistics) are held
+    # anyway: a layer that saves them keeps nothing per micro-batch
+    parameters = {_storage_key(t) for t in [*module.parameters(), *module.buffers()]}
     costs = LayerCosts(batch_size=batch_size)
     x = map_tensors(sample, lambda t: t.to("meta"))
     previous_saved: frozenset[int] = frozenset()  # input leaves the previous layer saved

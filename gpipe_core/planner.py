@@ -426,10 +426,6 @@ def _plans_for(
                         else output_unsaved[b - 1] / m for _, b in stages]
         fixed = [0.0] * len(forward) if saved_fixed is None else list(saved_fixed)
 
-        def per_microbatch(values: Sequence[float]) -> list[float]:
-            """Saved bytes per layer for one micro-batch: a share of the batch's growing part,
-            and the fixed part whole."""
-            return [(v - f) / m + f for v, f in zip(values, fixed, strict=True)]
 
         acts = [(stage_kept(a, b) if stage_kept is not None
                  else per_stage(activation_bytes, a, b)) / m + held_out
@@ -463,11 +459,11 @@ def _plans_for(
         selective = _Selective(  # held throughout: the parameters less the step's gradients
             stages, actions, on_rank, [h - g for h, g in zip(held, rank_grads, strict=True)],
             layer_forward,
-            per_microbatch(activation_bytes), [i / m for i in input_bytes],
+            _per_microbatch(activation_bytes, fixed, m), [i / m for i in input_bytes],
             [0.0] * len(forward) if backward_bytes is None or backward_fixed is None else [
                 b / m + fixed for b, fixed in zip(backward_bytes, backward_fixed, strict=True)],
             [0.0] * len(forward) if boundary_bytes is None else [o / m for o in boundary_bytes],
-            None if own_saved is None else per_microbatch(own_saved),
+            None if own_saved is None else _per_microbatch(own_saved, fixed, m),
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
                  transfer=links, activation_bytes=acts, input_bytes=inputs,
                  output_bytes=outputs, gradient_bytes=grads,
@@ -516,6 +512,12 @@ def _plans_for(
                 plans.append(Plan(num_stages, m, checkpoint, balance, sim.step_time,
                                   sim.bubble_fraction, peak, name, k, held, kept))
     return plans, smallest
+
+
+def _per_microbatch(values: Sequence[float], fixed: Sequence[float], m: int) -> list[float]:
+    """Saved bytes per layer for one of ``m`` micro-batches: a share of the batch's part that
+    grows with it, and the ``fixed`` part whole."""
+    return [(v - f) / m + f for v, f in zip(values, fixed, strict=True)]
 
 
 # Stages of at most this many layers try every choice of their kept layers (2^n evaluations)

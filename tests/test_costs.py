@@ -75,6 +75,19 @@ def test_costs_scale_with_the_batch_and_a_meta_model_allocates_nothing() -> None
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
+def test_outputs_a_layer_did_not_save_and_saved_bytes_that_do_not_grow_with_the_batch() -> None:
+    # Linear saves its input, not its output; ReLU saves its output; BatchNorm1d saves its
+    # input (ReLU's output, saved already) and two per-channel statistics, whatever the batch
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.BatchNorm1d(16))
+    four = gp.layer_costs(model, torch.randn(4, 8))
+    assert four.output_unsaved_bytes == [4 * 16 * 4, 0.0, 4 * 16 * 4]
+    assert four.saved_fixed_bytes == [0.0, 0.0, 2 * 16 * 4] == [0.0, 0.0, four.saved_bytes[2]]
+    # so a batch's count scales to another batch's exactly, the statistics kept whole
+    sixteen = gp.layer_costs(model, torch.randn(16, 8))
+    assert four.scaled(16).saved_bytes == sixteen.saved_bytes
+    assert four.scaled(16).output_unsaved_bytes == sixteen.output_unsaved_bytes
+
+
 def test_linear_flops_are_the_hand_count() -> None:
     batch, fan_in, fan_out = 3, 7, 5
     costs = gp.layer_costs(nn.Sequential(nn.Linear(fan_in, fan_out)), torch.randn(batch, fan_in))

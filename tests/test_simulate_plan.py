@@ -87,6 +87,33 @@ def test_a_rank_holds_its_sent_activations_until_their_gradients_come_back() -> 
     assert sim.peak_bytes[0] == 22
 
 
+def test_a_rank_holds_the_receive_posted_early_until_its_link_last_message() -> None:
+    """gloo's transport posts a link's next receive as soon as one arrives: the first stage
+    holds a gradient-sized buffer from the step's start (peak 44 + 1 at the end of the
+    forwards); the last stage's activation buffer goes with the last forward's message, so
+    its peak (4 x 2 kept) is unchanged."""
+    sizes = dict(activation_bytes=[10, 2], input_bytes=[0, 1], output_bytes=[1, 0])
+    sim = simulate(gp.fill_drain(2, 4), [1.0, 1.0], [2.0, 2.0], posted_receives=True,
+                   **sizes)  # type: ignore[arg-type]
+    assert sim.peak_bytes == [45, 8]
+
+
+def test_a_stage_first_backward_makes_its_gradients() -> None:
+    """One stage, F0 F1 B1 B0: 10 kept per micro-batch, 5 of gradients, 3 of working bytes.
+    The first backward (B1) holds 20 kept and makes the gradients as it runs (20 + 3 + 5 by
+    default, an upper bound; 20 + 4 where the plan counted it layer by layer); B0 then holds
+    10 + 5 + 3. Gradients count from the first backward on, not from the step's start."""
+    sizes = dict(activation_bytes=[10], input_bytes=[0], gradient_bytes=[5],
+                 backward_working_bytes=[3])
+    schedule = gp.fill_drain(1, 2)
+    assert simulate(schedule, [1.0], [2.0], **sizes).peak_bytes == [28]  # type: ignore[arg-type]
+    counted = simulate(schedule, [1.0], [2.0], first_backward_working_bytes=[4],
+                       **sizes)  # type: ignore[arg-type]
+    assert counted.peak_bytes == [24]
+    with pytest.raises(ValueError, match="first_backward_working_bytes has 2 sizes"):
+        simulate(schedule, [1.0], [2.0], first_backward_working_bytes=[4, 4])
+
+
 def test_transfer_time_delays_dependent_actions() -> None:
     sim = simulate(gp.fill_drain(2, 1), [1.0, 1.0], [1.0, 1.0], transfer=0.5)
     assert sim.step_time == pytest.approx(4.0 + 2 * 0.5)
