@@ -425,8 +425,6 @@ def _plans_for(
         outputs_kept = [0.0 if output_unsaved is None or b == len(forward)
                         else output_unsaved[b - 1] / m for _, b in stages]
         fixed = [0.0] * len(forward) if saved_fixed is None else list(saved_fixed)
-
-
         acts = [(stage_kept(a, b) if stage_kept is not None
                  else per_stage(activation_bytes, a, b)) / m + held_out
                 + per_stage(fixed, a, b) * (1 - 1 / m)
@@ -604,8 +602,9 @@ class _Selective:
         temporaries, its input's gradient); less what the kept layers it has passed saved of
         their own making (their intermediates and outputs, which only later layers read: all
         passed by then). What they saved of their inputs is not subtracted (an earlier layer
-        may still hold it: AmoebaNet's cells read the two previous outputs), nor the stage's
-        last layer's (its output is held to the end), so the count stays an upper bound; it
+        may still hold it: AmoebaNet's cells read the two previous outputs), nor what the
+        stage's last layer saved of its output (held to the end; all it saved where that is not
+        known), so the count stays an upper bound; it
         may be negative (the kept bytes it adds to count the whole micro-batch). ``first``:
         the stage's first backward, which also makes its parameters' gradients, layer by layer
         (the gradients of the layers from the current one to the stage's last)."""
