@@ -35,10 +35,13 @@ from gpipe_core.shards import save_shards
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)
 for step in range(1, steps + 1):
+    # told to stop (the reader has released its last pin): one more step, whose rotation is
+    # then sure to come after that release (one that started before it keeps the pinned one)
+    stopping = (out / "stop").exists()
     path = checkpoint_dir(out, step)
     save_shards({"w": torch.full((4096,), float(step)), "b": torch.full((7,), float(step))}, path)
     publish_checkpoint(out, path, keep=1)
-    if (out / "stop").exists():
+    if stopping:
         break
 print(step)
 """
