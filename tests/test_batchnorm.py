@@ -132,3 +132,19 @@ def test_recomputation_leaves_every_kind_of_batchnorm_as_the_plain_module_does(k
     # The switches are back where they were.
     assert pipe[1].track_running_stats
     assert not getattr(pipe[1], "recomputing", False)
+
+
+def test_float32_statistics_far_from_zero_match_the_plain_module() -> None:
+    """The micro-batch statistics are the ones the normalization itself computes (its mean and
+    inverse standard deviation): the variance recovered from them keeps float32 accuracy where
+    the data sit far from zero with a small spread (mean 50, std 0.05: a sum of squares would
+    cancel to nothing)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 2))  # running = batch
+    pipe = gp.GPipe(copy.deepcopy(ref), [1, 1], chunks=4, deferred_batch_norm=True)
+    x = 50.0 + 0.05 * torch.randn(32, 6)
+    ref(x).sum().backward()
+    pipe(x).sum().backward()
+    buffers = dict(pipe.named_buffers())
+    torch.testing.assert_close(buffers["0.running_mean"], ref[0].running_mean, rtol=1e-6, atol=0)
+    torch.testing.assert_close(buffers["0.running_var"], ref[0].running_var, rtol=1e-4, atol=0)
