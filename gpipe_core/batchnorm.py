@@ -3,7 +3,8 @@
 In training each micro-batch is normalized with its own statistics, as the paper defines; the
 running mean and variance are updated once per mini-batch with the statistics of all its
 micro-batches together, so they equal what the plain module accumulates on the whole mini-batch.
-Statistics are combined with Chan et al.'s parallel algorithm (count, mean, M2) for accuracy.
+The micro-batches' statistics are the normalization's own, pooled exactly at commit
+(count, mean, M2).
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ __all__ = ["DeferredBatchNorm", "frozen_running_stats"]
 class DeferredBatchNorm(_BatchNorm):
     """A BatchNorm (1d/2d/3d alike) that defers running-statistics updates to :meth:`commit`."""
 
-    mean_acc: Tensor
-    m2_acc: Tensor
-
     def __init__(
         self,
         num_features: int,
@@ -35,10 +33,10 @@ class DeferredBatchNorm(_BatchNorm):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, True, device=device, dtype=dtype)
-        self.count = 0  # samples (times spatial positions) accumulated in this mini-batch
         self.recomputing = False  # set by frozen_running_stats: a forward run again adds nothing
-        self.register_buffer("mean_acc", torch.zeros(num_features, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("m2_acc", torch.zeros(num_features, device=device, dtype=dtype), persistent=False)
+        # this mini-batch's micro-batches so far: each one's mean and inverse standard deviation
+        # per channel (as the normalization computed them) and its values per channel
+        self._pending: list[tuple[Tensor, Tensor, int]] = []
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -59,28 +57,28 @@ class DeferredBatchNorm(_BatchNorm):
         output, mean, invstd, _, _ = torch._batch_norm_impl_index(
             input, self.weight, self.bias, None, None, True, 0.0, self.eps,
             torch.backends.cudnn.enabled)
-        with torch.no_grad():
-            var = (invstd.reciprocal().square() - self.eps).clamp_min(0.0)
-            self._accumulate(mean, var, input.numel() // input.size(1))
+        # kept as they are until commit, which folds them all at once (per micro-batch folding
+        # cost a dozen tiny operations per call: 40 us, 4% of an AmoebaNet step of 92 of them)
+        self._pending.append((mean.detach(), invstd.detach(), input.numel() // input.size(1)))
         return output
-
-    def _accumulate(self, mean: Tensor, var: Tensor, n: int) -> None:
-        """Fold one micro-batch's statistics (its mean and biased variance over ``n`` values
-        per channel) into the mini-batch's."""
-        mean = mean.to(self.mean_acc.dtype)
-        m2 = var.to(self.m2_acc.dtype) * n
-        total = self.count + n
-        delta = mean - self.mean_acc
-        self.mean_acc += delta * (n / total)
-        self.m2_acc += m2 + delta**2 * (self.count * n / total)
-        self.count = total
 
     @torch.no_grad()
     def commit(self) -> None:
-        """Fold the accumulated mini-batch statistics into the running ones, then reset."""
-        n = self.count
-        if n == 0:
+        """Fold the mini-batch's statistics into the running ones, then reset: the micro-batches'
+        means and variances pooled (the mini-batch's M2 is each one's plus its count times its
+        mean's squared distance from the mini-batch's mean: exact, no sum of squares)."""
+        if not self._pending:
             return
+        pending, self._pending = self._pending, []
+        dtype = self.running_mean.dtype if self.running_mean is not None else torch.float32
+        means = torch.stack([mean for mean, _, _ in pending]).to(dtype)
+        invstd = torch.stack([inv for _, inv, _ in pending]).to(dtype)
+        variances = (invstd.reciprocal().square() - self.eps).clamp_min(0.0)
+        counts = torch.tensor([[float(c)] for _, _, c in pending], dtype=dtype,
+                              device=means.device)
+        n = sum(c for _, _, c in pending)
+        mean = (counts * means).sum(0) / n
+        m2 = (counts * variances).sum(0) + (counts * (means - mean).square()).sum(0)
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
         self.num_batches_tracked += 1
@@ -88,12 +86,9 @@ class DeferredBatchNorm(_BatchNorm):
             factor = 1.0 / float(self.num_batches_tracked)
         else:
             factor = self.momentum
-        unbiased_var = self.m2_acc / max(n - 1, 1)
-        self.running_mean.mul_(1 - factor).add_(self.mean_acc, alpha=factor)
+        unbiased_var = m2 / max(n - 1, 1)
+        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
         self.running_var.mul_(1 - factor).add_(unbiased_var, alpha=factor)
-        self.count = 0
-        self.mean_acc.zero_()
-        self.m2_acc.zero_()
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
