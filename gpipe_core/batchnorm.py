@@ -19,6 +19,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["DeferredBatchNorm", "frozen_running_stats"]
 
+# Micro-batches' statistics a DeferredBatchNorm keeps before it pools them without a commit (a
+# module used outside a pipeline, where no stage commits): its memory stays bounded.
+_MOST_PENDING = 64
+
 
 class DeferredBatchNorm(_BatchNorm):
     """A BatchNorm (1d/2d/3d alike) that defers running-statistics updates to :meth:`commit`."""
@@ -60,16 +64,16 @@ class DeferredBatchNorm(_BatchNorm):
         # kept as they are until commit, which folds them all at once (per micro-batch folding
         # cost a dozen tiny operations per call: 40 us, 4% of an AmoebaNet step of 92 of them)
         self._pending.append((mean.detach(), invstd.detach(), input.numel() // input.size(1)))
+        if len(self._pending) > _MOST_PENDING:  # never committed (outside a pipeline): bounded
+            mean, var, n = self._pooled()
+            self._pending = [(mean, (var + self.eps).rsqrt(), n)]
         return output
 
-    @torch.no_grad()
-    def commit(self) -> None:
-        """Fold the mini-batch's statistics into the running ones, then reset: the micro-batches'
-        means and variances pooled (the mini-batch's M2 is each one's plus its count times its
-        mean's squared distance from the mini-batch's mean: exact, no sum of squares)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
+    def _pooled(self) -> tuple[Tensor, Tensor, int]:
+        """The pending micro-batches' statistics as one batch's: its mean, biased variance and
+        values per channel (each one's M2 plus its count times its mean's squared distance from
+        the whole mean: exact, no sum of squares)."""
+        pending = self._pending
         dtype = self.running_mean.dtype if self.running_mean is not None else torch.float32
         means = torch.stack([mean for mean, _, _ in pending]).to(dtype)
         invstd = torch.stack([inv for _, inv, _ in pending]).to(dtype)
@@ -79,6 +83,16 @@ class DeferredBatchNorm(_BatchNorm):
         n = sum(c for _, _, c in pending)
         mean = (counts * means).sum(0) / n
         m2 = (counts * variances).sum(0) + (counts * (means - mean).square()).sum(0)
+        return mean, m2 / n, n
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the mini-batch's statistics (its micro-batches' pooled, :meth:`_pooled`) into
+        the running ones, then reset."""
+        if not self._pending:
+            return
+        mean, var, n = self._pooled()
+        self._pending = []
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
         self.num_batches_tracked += 1
@@ -86,7 +100,7 @@ class DeferredBatchNorm(_BatchNorm):
             factor = 1.0 / float(self.num_batches_tracked)
         else:
             factor = self.momentum
-        unbiased_var = m2 / max(n - 1, 1)
+        unbiased_var = var * n / max(n - 1, 1)
         self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
         self.running_var.mul_(1 - factor).add_(unbiased_var, alpha=factor)
 

@@ -148,3 +148,18 @@ def test_float32_statistics_far_from_zero_match_the_plain_module() -> None:
     buffers = dict(pipe.named_buffers())
     torch.testing.assert_close(buffers["0.running_mean"], ref[0].running_mean, rtol=1e-6, atol=0)
     torch.testing.assert_close(buffers["0.running_var"], ref[0].running_var, rtol=1e-4, atol=0)
+
+
+def test_a_module_never_committed_keeps_bounded_state_and_exact_statistics() -> None:
+    """Used outside a pipeline (no stage commits), the statistics it keeps stay bounded (pooled
+    every 64 micro-batches) and a late commit still folds in the whole stream's statistics."""
+    torch.manual_seed(0)
+    bn = gp.DeferredBatchNorm(3, momentum=None).double()
+    batches = [torch.randn(4, 3, dtype=torch.float64) * 2 + 1 for _ in range(150)]
+    for x in batches:
+        bn(x)
+    assert len(bn._pending) <= 65
+    bn.commit()
+    whole = torch.cat(batches)
+    torch.testing.assert_close(bn.running_mean, whole.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bn.running_var, whole.var(0), rtol=1e-9, atol=0)
