@@ -103,10 +103,10 @@ def check_world(num_stages: int, *, environ: dict[str, str] | None = None) -> No
 SAY_ONCE_WAIT_S = 15.0
 
 
-def _torchrun_worker(environ: typing.Mapping[str, str] | None = None) -> bool:
+def _torchrun_worker() -> bool:
     """Whether this process is a worker that torchrun (torch.distributed.elastic) started: its
     agent sets ``TORCHELASTIC_RUN_ID``; a process that only has ``RANK`` set is not one."""
-    return "TORCHELASTIC_RUN_ID" in (os.environ if environ is None else environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def leave_it_to_rank_0(wait_s: float = SAY_ONCE_WAIT_S) -> bool:

@@ -546,7 +546,7 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     each W right after its I (the loss stage's W never waits behind another stage's I); the
     drain after the last forward follows the greedy rule below with the earlier chunk's I
     first. Its step takes as long as the ZB-V of torch.distributed.pipelining
-    (``ScheduleZBVZeroBubble``) in the simulator at K = 2-8, M = 2R-16, for unit and uneven
+    (``ScheduleZBVZeroBubble``) in the simulator at R = 2-4, M = 2R-16, for unit and uneven
     costs alike (the order is the same at R = 2; ``tests/test_schedule.py``). For M < 2R, and
     as it was for every M before 2026-12-06: a stated greedy rule in unit time (F = I = W = 1
     per chunk): every rank at every step runs the first ready action of: an I of its later

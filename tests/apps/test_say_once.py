@@ -19,33 +19,28 @@ from apps.validation import say_once
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_rank_0_says_it_at_once(monkeypatch: pytest.MonkeyPatch,
-                                capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("RANK", "0")
+@pytest.mark.parametrize(("rank", "torchrun", "wait_s", "said"), [
+    ("0", True, 60.0, True),  # rank 0 says it at once, under torchrun or not
+    ("0", False, 60.0, True),
+    ("1", False, 60.0, False),  # only RANK set (no torchrun agent): silent at once
+    ("1", True, 0.3, True),  # a torchrun worker: only after the wait (the run outlived it)
+])
+def test_who_says_it_and_when(rank: str, torchrun: bool, wait_s: float, said: bool,
+                              monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("RANK", rank)
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     start = time.monotonic()
-    say_once("error: --lang=xx", wait_s=60.0)
-    assert time.monotonic() - start < 5.0
-    assert capsys.readouterr().err == "error: --lang=xx\n"
-
-
-def test_another_rank_outside_torchrun_is_silent_at_once(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    start = time.monotonic()
-    say_once("error: --lang=xx", wait_s=60.0)
-    assert time.monotonic() - start < 5.0
-    assert capsys.readouterr().err == ""
-
-
-def test_another_torchrun_rank_says_it_only_after_the_wait(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    start = time.monotonic()
-    say_once("error: --lang=xx", wait_s=0.3)
-    assert time.monotonic() - start >= 0.3
-    assert capsys.readouterr().err == "error: --lang=xx\n"
+    say_once("error: --lang=xx", wait_s=wait_s)
+    waited = time.monotonic() - start
+    if rank != "0" and torchrun:
+        assert waited >= wait_s
+    else:
+        assert waited < 5.0
+    assert capsys.readouterr().err == ("error: --lang=xx\n" if said else "")
 
 
 def test_sigterm_during_the_wait_ends_the_rank_silently_even_with_a_handler() -> None:
