@@ -45,7 +45,12 @@ def test_efficiency_bound_summarizes_its_launches(tmp_path: Path) -> None:
         assert versus["rounds"] == 4 and 0 <= versus["ours_won"] <= 4
     assert set(row["torch"]) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zb_v",
                                  "dualpipe_v"}
-    plan = row["plan"]
-    assert plan["choice"] == min(plan["predicted_seconds"], key=plan["predicted_seconds"].get)
-    assert row["plan_goal_met"] == (plan["choice_over_fastest"] <= 0.03)
+    for key in ("plan", "plan_counted"):  # priced by measured seconds, by counted costs
+        plan = row[key]
+        assert plan["choice"] == min(plan["predicted_seconds"], key=plan["predicted_seconds"].get)
+        assert set(plan["predicted_seconds"]) == set(row["schedules"])
+        assert plan["choice_over_fastest"] == pytest.approx(
+            row["schedules"][plan["choice"]]["seconds"] / row["schedules"][fastest]["seconds"] - 1)
+    assert row["plan"]["predicted_seconds"] != row["plan_counted"]["predicted_seconds"]
+    assert row["plan_goal_met"] == (row["plan"]["choice_over_fastest"] <= 0.03)
     assert f"fastest {fastest}" in result.stdout and "gp.plan chose" in result.stdout
