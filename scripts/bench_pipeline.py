@@ -197,7 +197,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
         peaks: dict[tuple[str, str], tuple[float | None, float | None, float]] = {}
         # this rank's (compute, wait) of every timed step of our pipelines
-        spent: dict[tuple[str, str], list[tuple[float, float]]] = {
+        spent: dict[tuple[str, str], list[tuple[float, ...]]] = {
             key: [] for key, fn in configs.items() if hasattr(fn, "pipe")}
         for round_ in range(args.warmup + args.steps):
             for key, fn in configs.items():
@@ -233,30 +233,44 @@ def equal_balance(layers: int, schedule: str) -> list[int]:
     return [layers // parts + (1 if i < layers % parts else 0) for i in range(parts)]
 
 
-def action_time(events: list[gp.TimelineEvent]) -> tuple[float, float]:
+def action_time(events: list[gp.TimelineEvent]) -> tuple[float, float, float, float]:
     """One step of this rank's actions: (compute: each action from its input's arrival to its
-    end; wait: inside actions, for a neighbour's message)."""
+    end; wait: inside actions, for a neighbour's message; fill: the part of that wait inside
+    the rank's first action, for the pipeline's first message; between: the gaps between its
+    actions, where the transport posts and completes messages and Python runs)."""
     compute = sum(e.end - (e.ready if e.ready is not None else e.start) for e in events)
     wait = sum(e.ready - e.start for e in events if e.ready is not None)
-    return compute, wait
+    first = events[0] if events else None
+    fill = first.ready - first.start if first is not None and first.ready is not None else 0.0
+    between = sum(max(0.0, b.start - a.end) for a, b in zip(events, events[1:], strict=False))
+    return compute, wait, fill, between
 
 
-def bound(per_rank: list[list[tuple[float, float]]], samples: list[float]) -> dict[str, Any]:
+def bound(per_rank: list[list[tuple[float, ...]]], samples: list[float]) -> dict[str, Any]:
     """The bubble-free bound of every timed step (the busiest rank's compute) against the step's
-    time, and each rank's time by cause (medians over the steps)."""
-    steps = list(zip(*per_rank, strict=True))  # per step: every rank's (compute, wait)
-    bounds = [max(compute for compute, _ in ranks) for ranks in steps]
+    time, and each rank's time by cause (medians over the steps): compute; waits inside actions
+    for a neighbour's message (the fill, inside the first action, and the rest); outside its
+    actions, between them (posts, receives, Python) and at the step's edges (before the first
+    action, and after the last until the slowest rank ends: the drain)."""
+    steps = list(zip(*per_rank, strict=True))  # per step: every rank's (compute, wait, ...)
+    bounds = [max(spent[0] for spent in ranks) for ranks in steps]
+
+    def per_rank_median(cause: Callable[[tuple[float, ...], float], float]) -> list[float]:
+        return [statistics.median(cause(spent, t) for spent, t in zip(rank, samples, strict=True))
+                for rank in per_rank]
+
     return {
         "bound_seconds": statistics.median(bounds),
         "bound_samples": bounds,
         "bound_efficiency": statistics.median(b / t for b, t in zip(bounds, samples, strict=True)),
-        "compute_per_rank": [statistics.median(s[0] for s in rank) for rank in per_rank],
-        "wait_per_rank": [statistics.median(s[1] for s in rank) for rank in per_rank],
+        "compute_per_rank": per_rank_median(lambda spent, _: spent[0]),
+        "wait_per_rank": per_rank_median(lambda spent, _: spent[1]),
+        "fill_wait_per_rank": per_rank_median(lambda spent, _: spent[2]),
         # the step's time outside this rank's actions: before its first, after its last and
         # between them (the transport's posts and receives, the loss, Python between actions)
-        "outside_actions_per_rank": [
-            statistics.median(t - c - w for (c, w), t in zip(rank, samples, strict=True))
-            for rank in per_rank],
+        "outside_actions_per_rank": per_rank_median(lambda spent, t: t - spent[0] - spent[1]),
+        "between_actions_per_rank": per_rank_median(lambda spent, _: spent[3]),
+        "edges_per_rank": per_rank_median(lambda spent, t: t - spent[0] - spent[1] - spent[3]),
     }
 
 
