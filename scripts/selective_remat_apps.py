@@ -14,8 +14,9 @@ M of ``--chunks``:
    (``scripts.harness.LiveTensorBytes``: gradients, activations, recomputation, messages,
    temporaries). The optimizer's own step is outside (its temporaries are not in the plan).
 2. *Time.* At ``--timing-chunks``, in the same two processes, ``always`` and the selective
-   plan (the same balance) run in alternating paired rounds (``--pairs``, order swapped every
-   pair, ``--steps`` steps a round; medians, rounds won, load average before and after); the
+   plan (the same balance) run in alternating paired rounds (the ranks set up as the apps'
+   are: one core each, freed memory kept mapped; ``--pairs``, order swapped every pair,
+   ``--steps`` steps a round; medians, rounds won, load average before and after); the
    measured margin ``1 - selective / always`` is set against the plan's predicted margin (goal:
    at least 80% of it). The plans' seconds (which layers to recompute, the balance, the
    predicted margin) come from ``--times``: ``measured`` (default), each layer's forward and
@@ -59,7 +60,7 @@ from apps.planning import AppModel, MiB, _counted, budget_batch, budget_plan
 from apps.planning import measured_profile as app_profile
 from gpipe_core.launch import spawn
 from gpipe_core.schedule import Action
-from scripts.harness import LiveTensorBytes, provenance, write_json
+from scripts.harness import LiveTensorBytes, provenance, setup_process, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "reproduction" / "selective_remat_apps.json"
@@ -254,7 +255,6 @@ def time_pairs(app: App, balance: list[int], chunks: int, checkpoints: dict[str,
 
 
 def _worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
-    torch.set_num_threads(1)
     app = load_app(spec["app"], spec["quick"])
     memory = []
     for job in spec["memory"]:
@@ -316,7 +316,9 @@ def run_app(name: str, args: argparse.Namespace) -> dict[str, Any]:
                        "checkpoints": {"always": "always",
                                        "selective": timing_plans["selective"]["checkpoint"]}}}
     load_before = os.getloadavg()
-    ranks = spawn(_worker, 2, None, spec, timeout_s=None, pg_timeout_s=300.0)
+    # the ranks run as the apps' ranks do: one core each, freed memory kept mapped
+    ranks = spawn(_worker, 2, None, spec, timeout_s=None, pg_timeout_s=300.0,
+                  setup=setup_process)
     load_after = os.getloadavg()
     rows = []
     for i, job in enumerate(jobs):
@@ -406,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--timing-chunks={args.timing_chunks} must be one of --chunks {args.chunks}")
     command = "python scripts/selective_remat_apps.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
+    gp.hold_freed_memory()  # the profiles too, as an app's rank 0 measures them
     load_before = os.getloadavg()
     report: dict[str, Any] = {
         "command": command.strip(), "num_stages": 2, "schedule": "gpipe", "share": args.share,
