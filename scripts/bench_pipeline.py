@@ -25,8 +25,10 @@ its input's arrival to its end: F, B or I and W, re-materialization inside B, an
 action does to post its message), which is the step a pipeline with no bubble and no idle
 time could take on these ranks. Per row: ``bound_seconds`` (median over the timed steps) and
 ``bound_efficiency`` (median of bound / step time, step by step), and per rank the compute,
-the wait inside actions for a neighbour's message, and the rest of the step (outside any
-action: the transport's sends and receives, the loss, Python between actions).
+the wait inside actions for a neighbour's message, and the rest of the step, outside any
+action: before the first (the fill: a rank without the first stage learns the step from the
+first activation), between actions (the transport's sends and receives, the loss, Python) and
+after the last until the slowest rank ends (the drain).
 
 Writes the result (every row with its per-round samples, and ``scripts.harness.provenance``:
 commit, torch, UTC time, machine, load before and after) to ``--json`` (default ``docs/reproduction/bench_pipeline.json``, the file the pages
@@ -42,6 +44,7 @@ import functools
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,13 +207,14 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
                 if round_ == args.warmup - 1:  # warm steps, untimed: memory
                     peaks[key] = (*step_memory_mb(fn), step_tensor_mb(fn))
                     continue
+                started: list[float] = []  # when this rank began the step
                 if key in spent:
                     fn.pipe.timeline.clear()  # this step's actions only
-                seconds = timed_step(fn)
+                seconds = timed_step(functools.partial(_started, fn, started))
                 if round_ >= args.warmup:
                     times[key].append(seconds)
                     if key in spent:
-                        spent[key].append(action_time(fn.pipe.timeline))
+                        spent[key].append(action_time(fn.pipe.timeline, started[0]))
         for (impl, schedule), samples in times.items():
             rank_peaks: list[Any] = [None] * K
             dist.all_gather_object(rank_peaks, peaks[(impl, schedule)])
@@ -227,31 +231,36 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
     return json.dumps(rows) if rank == 0 else None
 
 
+def _started(fn: Callable[[], Any], started: list[float]) -> Any:
+    started.append(time.perf_counter())
+    return fn()
+
+
 def equal_balance(layers: int, schedule: str) -> list[int]:
     """The layers in equal counts over the stages: one per rank, two with a virtual schedule."""
     parts = 2 * K if schedule in VIRTUAL else K
     return [layers // parts + (1 if i < layers % parts else 0) for i in range(parts)]
 
 
-def action_time(events: list[gp.TimelineEvent]) -> tuple[float, float, float, float]:
-    """One step of this rank's actions: (compute: each action from its input's arrival to its
-    end; wait: inside actions, for a neighbour's message; fill: the part of that wait inside
-    the rank's first action, for the pipeline's first message; between: the gaps between its
-    actions, where the transport posts and completes messages and Python runs)."""
+def action_time(events: list[gp.TimelineEvent], start: float) -> tuple[float, float, float, float]:
+    """One step of this rank's actions, the step begun at ``start`` (perf_counter): (compute:
+    each action from its input's arrival to its end; wait: inside actions, for a neighbour's
+    message; lead: from the step's start to the first action (a rank without the first stage
+    waits there for the pipeline's first message, which tells it the step: the fill); between:
+    the gaps between its actions, where the transport posts and completes messages and Python
+    runs)."""
     compute = sum(e.end - (e.ready if e.ready is not None else e.start) for e in events)
     wait = sum(e.ready - e.start for e in events if e.ready is not None)
-    first = events[0] if events else None
-    fill = first.ready - first.start if first is not None and first.ready is not None else 0.0
+    lead = events[0].start - start if events else 0.0
     between = sum(max(0.0, b.start - a.end) for a, b in zip(events, events[1:], strict=False))
-    return compute, wait, fill, between
+    return compute, wait, lead, between
 
 
 def bound(per_rank: list[list[tuple[float, ...]]], samples: list[float]) -> dict[str, Any]:
     """The bubble-free bound of every timed step (the busiest rank's compute) against the step's
     time, and each rank's time by cause (medians over the steps): compute; waits inside actions
-    for a neighbour's message (the fill, inside the first action, and the rest); outside its
-    actions, between them (posts, receives, Python) and at the step's edges (before the first
-    action, and after the last until the slowest rank ends: the drain)."""
+    for a neighbour's message; outside its actions: before the first (the fill), between them
+    (posts, receives, Python) and after the last until the slowest rank ends (the drain)."""
     steps = list(zip(*per_rank, strict=True))  # per step: every rank's (compute, wait, ...)
     bounds = [max(spent[0] for spent in ranks) for ranks in steps]
 
@@ -265,12 +274,13 @@ def bound(per_rank: list[list[tuple[float, ...]]], samples: list[float]) -> dict
         "bound_efficiency": statistics.median(b / t for b, t in zip(bounds, samples, strict=True)),
         "compute_per_rank": per_rank_median(lambda spent, _: spent[0]),
         "wait_per_rank": per_rank_median(lambda spent, _: spent[1]),
-        "fill_wait_per_rank": per_rank_median(lambda spent, _: spent[2]),
-        # the step's time outside this rank's actions: before its first, after its last and
-        # between them (the transport's posts and receives, the loss, Python between actions)
+        # the step's time outside this rank's actions: before its first, between them (the
+        # transport's posts and receives, the loss, Python) and after its last
         "outside_actions_per_rank": per_rank_median(lambda spent, t: t - spent[0] - spent[1]),
+        "fill_per_rank": per_rank_median(lambda spent, _: spent[2]),
         "between_actions_per_rank": per_rank_median(lambda spent, _: spent[3]),
-        "edges_per_rank": per_rank_median(lambda spent, t: t - spent[0] - spent[1] - spent[3]),
+        "drain_per_rank": per_rank_median(
+            lambda spent, t: t - spent[0] - spent[1] - spent[2] - spent[3]),
     }
 
 

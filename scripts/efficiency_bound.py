@@ -16,9 +16,9 @@ predicted fastest of the schedules measured, each with the benchmark's balance, 
 apps price a budget's plan: each layer's seconds timed in this process at M, one thread, with a
 fused and a split backward, the transfers by the CPU-core device model) is within 3% of the
 fastest measured; the choice from the counted costs alone is recorded beside it. Where a family misses 0.95, its row says where the fastest schedule's time went on
-each rank: its compute, the wait inside actions for a neighbour's message (the fill, inside the
-first action, apart), the time outside actions (between them: the transport's posts and
-receives, Python; at the step's edges: mostly the drain after the last action), and for the
+each rank: its compute, the wait inside actions for a neighbour's message, the time outside
+actions (before the first: the fill; between them: the transport's posts and receives, Python;
+after the last: the drain, until the slowest rank ends), and for the
 zero-bubble schedules what the backward's split into I and W added to the compute of 1F1B.
 
 Writes ``docs/reproduction/efficiency_bound.json`` (``--json``) with provenance and every launch's
@@ -57,10 +57,10 @@ GOAL_BOUND = 0.95  # the fastest schedule's step against its bubble-free bound
 GOAL_PLAN = 0.03  # gp.plan's choice, measured, above the fastest measured
 SPLIT = ("zb_h1", "zb_h2")  # schedules whose backward runs as I then W, one stage per rank
 # a step's time on each rank by cause (bench_pipeline.bound): compute; waits inside actions for
-# a neighbour's message (of them the fill, inside the first action); outside the actions (of it
-# the gaps between them; the rest the step's edges, mostly the drain after the last action)
-CAUSES = ("compute_per_rank", "wait_per_rank", "fill_wait_per_rank", "outside_actions_per_rank",
-          "between_actions_per_rank", "edges_per_rank")
+# a neighbour's message; outside the actions: before the first (the fill), the gaps between
+# them, after the last (the drain)
+CAUSES = ("compute_per_rank", "wait_per_rank", "outside_actions_per_rank", "fill_per_rank",
+          "between_actions_per_rank", "drain_per_rank")
 
 
 def launch(family: str, index: int, args: Namespace, scratch: Path) -> dict[str, Any]:
@@ -195,10 +195,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if not row["bound_goal_met"]:
             v = s[row["fastest"]]
             print(f"  where {row['fastest']}'s time went, per rank (ms): " + "; ".join(
-                f"rank {r}: fill {v['fill_wait_per_rank'][r] * 1e3:.1f}, other waits "
-                f"{(v['wait_per_rank'][r] - v['fill_wait_per_rank'][r]) * 1e3:.1f}, between "
-                f"actions {v['between_actions_per_rank'][r] * 1e3:.1f}, edges (drain) "
-                f"{v['edges_per_rank'][r] * 1e3:.1f}" for r in range(K)))
+                f"rank {r}: fill {v['fill_per_rank'][r] * 1e3:.1f}, waits inside actions "
+                f"{v['wait_per_rank'][r] * 1e3:.1f}, between actions "
+                f"{v['between_actions_per_rank'][r] * 1e3:.1f}, drain "
+                f"{v['drain_per_rank'][r] * 1e3:.1f}" for r in range(K)))
         if "split_excess_per_rank" in row:
             print("  I+W split's compute above 1F1B's B, per rank: " + ", ".join(
                 f"{n} " + "/".join(f"{x * 1e3:+.1f}" for x in v) + " ms"

@@ -38,8 +38,8 @@ def test_efficiency_bound_summarizes_its_launches(tmp_path: Path) -> None:
         assert summary["seconds"] == statistics.median(r["seconds"] for r in ran)
         assert summary["bound_efficiency_per_launch"] == [r["bound_efficiency"] for r in ran]
         assert 0 < summary["bound_efficiency"] <= 1
-        for cause in ("compute_per_rank", "wait_per_rank", "fill_wait_per_rank",
-                      "outside_actions_per_rank", "between_actions_per_rank", "edges_per_rank"):
+        for cause in ("compute_per_rank", "wait_per_rank", "outside_actions_per_rank",
+                      "fill_per_rank", "between_actions_per_rank", "drain_per_rank"):
             assert summary[cause] == [statistics.median(r[cause][rank] for r in ran)
                                       for rank in range(2)]
     fastest = min(row["schedules"], key=lambda s: row["schedules"][s]["seconds"])
