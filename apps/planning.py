@@ -303,18 +303,23 @@ def describe_budget_plan(best: gp.Plan, budget_mb: float) -> str:
 def measured_profile(model: AppModel, chunks: int, *, seed: int, device: torch.device,
                      rounds: int = 5) -> gp.StageProfile:
     """Each layer's seconds on ``device`` (a plain copy of the model, ``seed``'s weights) at
-    ``chunks`` micro-batches of the planned batch, with the loss on the last layer:
-    ``except_last``, so that a layer's forward is measured with and without autograd and its
-    backward with and without the rerun (what ``gp.plan(costs, profiles=...)`` takes)."""
+    ``chunks`` micro-batches of the planned batch, with the loss on the last layer: its forward
+    with and without autograd and its backward with and without the rerun (what
+    ``gp.plan(costs, profiles=...)`` takes), each from a replay in which every micro-batch ran
+    that way (``never``, then ``always``: ``gp.StageProfile.combined``), as a layer that keeps
+    its activations, or recomputes them, runs in the pipeline."""
     if model.example is None:
         raise ValueError(f"{model.describe}: no example inputs to time the model on")
     loss = model.loss
     plain = gp.materialize(model.build(model.depth), seed=seed, device=device)
     inputs = map_tensors(model.example(budget_batch(model, chunks)),
                             lambda t: t.to(device))
-    return gp.profile_stages(plain, [1] * len(plain), inputs,
-                             loss_fn=None if loss is None else lambda out, _: loss(out),
-                             chunks=chunks, checkpoint="except_last", rounds=rounds)
+    kept, rematerialized = (
+        gp.profile_stages(plain, [1] * len(plain), inputs,
+                          loss_fn=None if loss is None else lambda out, _: loss(out),
+                          chunks=chunks, checkpoint=mode, rounds=rounds)
+        for mode in ("never", "always"))
+    return gp.StageProfile.combined(kept, rematerialized)
 
 
 def plan_for_budget(model: AppModel, config: Any, balance: Sequence[int] | None = None, *,

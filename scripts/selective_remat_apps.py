@@ -21,8 +21,9 @@ M of ``--chunks``:
    at least 80% of it). The plans' seconds (which layers to recompute, the balance, the
    predicted margin) come from ``--times``: ``measured`` (default), each layer's forward and
    backward profiled on this machine with one thread at each M (``gp.profile_stages``, one
-   stage per layer, ``except_last``: the forward with and without autograd, what
-   ``gp.plan(costs, profiles=...)`` takes), or ``counted``, the FLOPs,
+   stage per layer, every micro-batch kept, then every one re-materialized, combined by
+   ``gp.StageProfile.combined``: the forward with and without autograd, each in the memory
+   pattern it runs in, what ``gp.plan(costs, profiles=...)`` takes), or ``counted``, the FLOPs,
    operator calls and element-wise bytes priced by ``apps.planning.CPU_CORE``; the bytes are
    counted either way. The counted prediction of the timed M is recorded beside the measured
    one, so that the time model's error stays visible. Each rank's timeline gives the busy seconds of F and B per step, so a
@@ -395,8 +396,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timing-chunks", type=int, default=4)
     parser.add_argument("--share", type=float, default=0.5,
                         help="the budget's place between always's peak (0) and never's (1)")
-    parser.add_argument("--pairs", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-exhaustive", dest="exhaustive", action="store_false")
     parser.add_argument("--times", choices=["measured", "counted"], default="measured",
                         help="the plans' seconds: per-layer profiles on this machine, or "

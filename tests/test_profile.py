@@ -83,6 +83,28 @@ def test_rematerialized_microbatches_recompute_in_backward() -> None:
         mixed.samples[1]["B_remat"][0] - mixed.samples[1]["B"][0])
 
 
+def test_a_kept_and_a_rematerialized_profile_combine_into_one() -> None:
+    model, x, y = model_and_batch()
+    kept, remat = (gp.profile_stages(model, [4, 2], x, y, loss_fn=nn.functional.cross_entropy,
+                                     chunks=2, checkpoint=mode, rounds=2, warmup=0)
+                   for mode in ("never", "always"))
+    both = gp.StageProfile.combined(kept, remat)
+    # each kind from the run where every micro-batch ran that way
+    assert both.checkpoint == "except_last" and both.rounds == 2
+    assert both.forward == kept.forward and both.backward == kept.backward
+    assert both.forward_no_grad == remat.forward_no_grad
+    assert both.recompute == [max(r - k, 0.0) for r, k in zip(remat.backward, kept.backward,
+                                                               strict=True)]
+    assert both.forward_no_grad[1] >= SLEEP_F and both.backward[1] >= SLEEP_B
+    assert all(set(stage) == {"F", "F_remat", "B", "B_remat"} for stage in both.samples)
+    with pytest.raises(ValueError, match="checkpoint='never' and one with 'always'"):
+        gp.StageProfile.combined(remat, kept)
+    other = gp.profile_stages(model, [4, 2], x, y, loss_fn=nn.functional.cross_entropy,
+                              chunks=3, checkpoint="always", rounds=2, warmup=0)
+    with pytest.raises(ValueError, match="profile the same stages twice"):
+        gp.StageProfile.combined(kept, other)
+
+
 def test_a_split_schedule_measures_both_halves() -> None:
     model, x, y = model_and_batch()
     profile = gp.profile_stages(model, [3, 3], x, y, loss_fn=nn.functional.cross_entropy,
