@@ -185,18 +185,22 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
         # Every configuration of this M, measured round-robin: one step of each per round, so
         # that drifts in machine load touch them all alike.
         configs: dict[tuple[str, str], Any] = {}
+        balances: dict[tuple[str, str], list[int]] = {}
         for schedule, fn in plain_steps(plain_model, x, y, m, rank, work.loss_fn).items():
             configs[("plain", schedule)] = fn
         for impl, schedule in ([("gpipe_core", s) for s in OURS]
                                + [("torch.pipelining", s) for s in THEIRS]):
             model = work.build()
             balance = equal_balance(len(model), schedule)
+            if args.balance and len(args.balance) == len(balance):
+                balance = list(args.balance)
             if len(model) < len(balance):  # a stage without layers: nothing to compare
                 continue
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint,
                              args.quiet_io, work.loss_fn)
             if step is not None:
                 configs[(impl, schedule)] = step
+                balances[(impl, schedule)] = balance
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
         peaks: dict[tuple[str, str], tuple[float | None, float | None, float]] = {}
         # this rank's (compute, wait) of every timed step of our pipelines
@@ -223,6 +227,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
                    "peak_rss_mb_per_rank": [p for p, _, _ in rank_peaks],
                    "step_memory_mb_per_rank": [d for _, d, _ in rank_peaks],
                    "peak_tensor_mb_per_rank": [t for _, _, t in rank_peaks]}
+            if (impl, schedule) in balances:
+                row["balance"] = balances[(impl, schedule)]
             if (impl, schedule) in spent:
                 per_rank: list[Any] = [None] * K
                 dist.all_gather_object(per_rank, spent[(impl, schedule)])
@@ -364,6 +370,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed rounds per M (>= 1: the last measures memory)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--balance", type=int, nargs="+", default=None,
+                        help="layers per stage for the schedules with that many stages (both "
+                             "libraries; the others keep equal counts); default equal counts")
     parser.add_argument("--checkpoint", default="never",
                         help="gpipe_core re-materialization (torch.pipelining has none)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
@@ -381,6 +390,10 @@ def main() -> None:
         parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
     if args.batch is None and args.family == "mlp":
         args.batch = 64
+    layers = len(workload(args).build()) if args.balance else 0
+    if args.balance and (sum(args.balance) != layers or min(args.balance) < 1):
+        parser.error(f"--balance {args.balance} must be positive and sum to the model's "
+                     f"{layers} layers")
     load_before = os.getloadavg()
     setup = functools.partial(setup_process, pin=args.pin, hold_memory=args.hold_memory)
     # no bound on the whole run (its length grows with the rows); a hang ends at the process

@@ -20,7 +20,7 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "4",
          "--width", "16", "--batch", "8", "--seq", "2", "--microbatches", "1", "2",
-         "--steps", "2", "--warmup", "1", "--out", str(out),
+         "--steps", "2", "--warmup", "1", "--balance", "1", "3", "--out", str(out),
          "--json", str(tmp_path / "published.json")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
@@ -43,6 +43,9 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
                 rows[("plain", "chunked", m)]["seconds"] / 2 / row["seconds"])
             assert len(row["peak_rss_mb_per_rank"]) == 2
             assert len(row["peak_tensor_mb_per_rank"]) == 2
+            if key[0] != "plain":  # --balance for two stages; virtual ones in equal counts
+                assert row["balance"] == ([1, 3] if "interleaved" not in key[1]
+                                          and key[1] not in ("zb_v", "dualpipe_v") else [1] * 4)
             if key[0] == "gpipe_core":  # the bubble-free bound, from the same steps' timelines
                 # the busiest rank's compute happened inside the step: never above its time
                 assert all(0 < b <= t for b, t in zip(row["bound_samples"], row["samples"],
@@ -62,6 +65,7 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
             else:
                 assert "bound_seconds" not in row
     assert ("torch.pipelining", "1f1b", 1) not in rows  # Schedule1F1B needs M >= K
+
     assert ("torch.pipelining", "1f1b", 2) in rows
     assert (out / "bench_pipeline.png").stat().st_size > 0
     assert "torch.pipelining time / gpipe_core time" in result.stdout
@@ -97,3 +101,14 @@ def test_bench_pipeline_rejects_zero_rounds() -> None:
     )
     assert result.returncode == 2
     assert "--warmup 0 and --steps 15 must be at least 1" in result.stderr
+
+
+def test_a_balance_that_does_not_cover_the_model_is_refused(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "4",
+         "--width", "16", "--batch", "8", "--balance", "2", "3", "--out", str(tmp_path),
+         "--json", str(tmp_path / "published.json")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "--balance [2, 3] must be positive and sum to the model's 4 layers" in result.stderr
