@@ -241,7 +241,7 @@ def provenance(load_before: tuple[float, float, float] | None = None) -> dict[st
     started (:func:`host_cpu_shares`: the steal share tells a run slowed by other tenants)."""
     return {
         "commit": _git("rev-parse", "HEAD"),
-        "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "uncommitted_changes": bool(uncommitted_files()),
         "torch": torch.__version__,
         "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **cpu_identity(),
@@ -267,13 +267,22 @@ class DirtyTreeError(RuntimeError):
 
 def uncommitted_files() -> list[str]:
     """Tracked files with uncommitted changes (``git status --porcelain``, untracked files
-    not counted, as in :func:`provenance`)."""
+    not counted, as in :func:`provenance`), but for results (:func:`changed_code`)."""
     try:
         out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return []
-    return [line[3:] for line in out.splitlines() if line.strip()]
+    return changed_code(out)
+
+
+def changed_code(porcelain: str) -> list[str]:
+    """The paths of ``git status --porcelain`` output but those under docs/reproduction/:
+    a result just written there (a make target's first step, read by its next) does not make
+    the code that measures the next one uncommitted."""
+    published = PUBLISHED.relative_to(ROOT).as_posix() + "/"
+    paths = [line[3:] for line in porcelain.splitlines() if line.strip()]
+    return [p for p in paths if not p.strip('"').startswith(published)]
 
 
 def is_draft(draft: bool | None = None) -> bool:

@@ -68,3 +68,14 @@ def test_the_scripts_flag_sets_the_draft_for_every_write_path(monkeypatch: pytes
 
 def test_the_real_published_folder_is_docs_reproduction() -> None:
     assert harness.PUBLISHED == harness.ROOT / "docs" / "reproduction"
+
+
+def test_results_already_written_do_not_make_the_tree_dirty() -> None:
+    """make reproduce-app-pipelines writes a result, then measures the next one in the same
+    tree: the first result is not code, so it does not refuse the second."""
+    porcelain = (" M docs/reproduction/throughput_apps_params.json\n"
+                 " M docs/reproduction/simulator_apps_params.png\n"
+                 " M scripts/harness.py\n"
+                 "M  docs/RESULTS.md\n")
+    assert harness.changed_code(porcelain) == ["scripts/harness.py", "docs/RESULTS.md"]
+    assert harness.changed_code(" M docs/reproduction/a.json\n") == []
