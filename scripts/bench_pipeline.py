@@ -192,7 +192,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
                                + [("torch.pipelining", s) for s in THEIRS]):
             model = work.build()
             balance = equal_balance(len(model), schedule)
-            if args.balance and len(args.balance) == len(balance):
+            if schedule in args.balance_of:
+                balance = list(args.balance_of[schedule])
+            elif args.balance and len(args.balance) == len(balance):
                 balance = list(args.balance)
             if len(model) < len(balance):  # a stage without layers: nothing to compare
                 continue
@@ -353,7 +355,8 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
     return theirs
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (``argv``: default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES, default="mlp",
                         help="mlp: --blocks pre-norm MLP blocks of --width; encoder: 8 "
@@ -373,6 +376,9 @@ def main() -> None:
     parser.add_argument("--balance", type=int, nargs="+", default=None,
                         help="layers per stage for the schedules with that many stages (both "
                              "libraries; the others keep equal counts); default equal counts")
+    parser.add_argument("--balance-of", action="append", default=[], metavar="SCHEDULE=N,N,..",
+                        help="one schedule's layers per stage (both libraries' schedule of that "
+                             "name); repeatable; before --balance")
     parser.add_argument("--checkpoint", default="never",
                         help="gpipe_core re-materialization (torch.pipelining has none)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
@@ -385,15 +391,36 @@ def main() -> None:
     parser.add_argument("--out", default="out/bench_pipeline", help="JSON and PNG")
     parser.add_argument("--json", default="docs/reproduction/bench_pipeline.json",
                         help="the result with its provenance, where the pages cite it")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} and --steps {args.steps} must be at least 1")
     if args.batch is None and args.family == "mlp":
         args.batch = 64
-    layers = len(workload(args).build()) if args.balance else 0
+    layers = len(workload(args).build()) if args.balance or args.balance_of else 0
     if args.balance and (sum(args.balance) != layers or min(args.balance) < 1):
         parser.error(f"--balance {args.balance} must be positive and sum to the model's "
                      f"{layers} layers")
+    balances = {}
+    for given in args.balance_of:
+        schedule, _, counts = given.partition("=")
+        try:
+            balance = [int(c) for c in counts.split(",")]
+        except ValueError:
+            balance = []
+        stages = len(equal_balance(layers, schedule)) if schedule in OURS else 0
+        if (not stages or len(balance) != stages or sum(balance) != layers
+                or min(balance, default=0) < 1):
+            parser.error(f"--balance-of {given!r}: give SCHEDULE=N,N,... with one of "
+                         f"{', '.join(OURS)} and its stages' counts (2, or 4 for "
+                         f"{', '.join(VIRTUAL)}), positive, summing to the model's {layers} "
+                         "layers")
+        balances[schedule] = balance
+    args.balance_of = balances
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     load_before = os.getloadavg()
     setup = functools.partial(setup_process, pin=args.pin, hold_memory=args.hold_memory)
     # no bound on the whole run (its length grows with the rows); a hang ends at the process

@@ -21,11 +21,16 @@ actions (before the first: the fill; between them: the transport's posts and rec
 after the last: the drain, until the slowest rank ends), and for the
 zero-bubble schedules what the backward's split into I and W added to the compute of 1F1B.
 
+``--balance planned`` runs each schedule (ours and torch's of the same name) at the balance
+``gp.plan`` chooses for it from the same per-layer seconds, instead of the layers in equal counts;
+the plan goal then holds gp.plan's whole configuration (schedule and balance) against the
+fastest measured.
+
 Writes ``docs/reproduction/efficiency_bound.json`` (``--json``) with provenance and every launch's
 rows (their per-step samples), and prints one table.
 
     python scripts/efficiency_bound.py [--families mlp encoder nmt_app amoebanet_app amoebanet_56px]
-                                       [--launches 3 --steps 10] [--quick]
+                                       [--launches 3 --steps 10] [--balance planned] [--quick]
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch
 
 import gpipe_core as gp
 from apps.planning import CPU_CORE
-from scripts.bench_pipeline import OURS, TORCH_COUNTERPART, equal_balance, workload
+from scripts.bench_pipeline import OURS, TORCH_COUNTERPART, parse_args, workload
 from scripts.harness import provenance, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,14 +68,25 @@ CAUSES = ("compute_per_rank", "wait_per_rank", "outside_actions_per_rank", "fill
           "between_actions_per_rank", "drain_per_rank")
 
 
-def launch(family: str, index: int, args: Namespace, scratch: Path) -> dict[str, Any]:
+def bench_arguments(family: str, args: Namespace, balances: dict[str, list[int]]) -> list[str]:
+    """bench_pipeline.py's arguments for ``family`` at M=8 (``balances``: per schedule, else
+    equal counts), but for where it writes."""
+    arguments = ["--family", family, "--microbatches", str(M), "--steps", str(args.steps),
+                 "--warmup", "2"]
+    if args.quick:
+        arguments += ["--tiny", "--blocks", "4", "--width", "16", "--batch", "16", "--seq", "2"]
+    for schedule, balance in balances.items():
+        arguments += ["--balance-of", f"{schedule}={','.join(map(str, balance))}"]
+    return arguments
+
+
+def launch(family: str, index: int, args: Namespace, scratch: Path,
+           balances: dict[str, list[int]]) -> dict[str, Any]:
     """One run of bench_pipeline.py for ``family`` at M=8; its report."""
     out = scratch / f"{family}_{index}"
-    command = [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--family", family,
-               "--microbatches", str(M), "--steps", str(args.steps), "--warmup", "2",
+    command = [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"),
+               *bench_arguments(family, args, balances),
                "--out", str(out), "--json", str(out / "report.json")]
-    if args.quick:
-        command += ["--tiny", "--blocks", "4", "--width", "16", "--batch", "16", "--seq", "2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                             timeout=args.launch_timeout_s)
     if result.returncode != 0:
@@ -82,38 +98,53 @@ def launch(family: str, index: int, args: Namespace, scratch: Path) -> dict[str,
 PROFILED = ("gpipe", "zb_h1")  # a fused backward's B, and a split one's I and W, per layer
 
 
-def planned(config: dict[str, Any], schedules: list[str], *, measured: bool = True
-            ) -> dict[str, float]:
-    """gp.plan's predicted step time of each measured schedule, at the benchmark's balance, for
-    the workload a launch measured (``config``: its recorded arguments). ``measured``: priced by
-    each layer's seconds timed here, one thread as a rank has, at M (``gp.profile_stages``
-    with one stage per layer, a fused and a split schedule: B, and I and W as they measure),
-    as the apps plan; else by the counted costs on the CPU-core device model alone."""
-    work = workload(Namespace(**config))
+def layer_profiles(config: Namespace) -> list[gp.StageProfile]:
+    """Each layer's seconds for the workload of bench_pipeline's ``config``, timed here at M
+    with one thread as a rank has (``gp.profile_stages`` with one stage per layer, a fused and
+    a split schedule: B, and I and W as they measure): what the apps plan with."""
+    work = workload(config)
+    model = work.build()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [gp.profile_stages(model, [1] * len(model), work.inputs, work.targets,
+                                  loss_fn=work.loss_fn, chunks=M, schedule=schedule, rounds=3)
+                for schedule in PROFILED]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plans(config: Namespace, schedules: dict[str, list[int] | None],
+           profiles: list[gp.StageProfile] | None) -> dict[str, gp.Plan]:
+    """gp.plan's plan of each schedule (at its given balance, or its own where None), priced
+    by ``profiles`` (else by the counted costs on the CPU-core device model alone)."""
+    work = workload(config)
     model = work.build()
     costs = gp.layer_costs(model, work.inputs)
-    batch = len(work.targets)
-    profiles = None
-    if measured:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+    plans = {}
+    for schedule, balance in schedules.items():
         try:
-            profiles = [gp.profile_stages(model, [1] * len(model), work.inputs, work.targets,
-                                          loss_fn=work.loss_fn, chunks=M, schedule=schedule,
-                                          rounds=3) for schedule in PROFILED]
-        finally:
-            torch.set_num_threads(threads)
-    predicted = {}
-    for schedule in schedules:
-        try:
-            plans = gp.plan(costs, device=CPU_CORE, optimizer="adam", batch_size=batch,
-                            stages=[K], microbatches=[M], schedule=schedule,
-                            checkpoints=["never"], balance=equal_balance(len(model), schedule),
-                            profiles=profiles)
+            plans[schedule] = gp.plan(
+                costs, device=CPU_CORE, optimizer="adam", batch_size=len(work.targets),
+                stages=[K], microbatches=[M], schedule=schedule, checkpoints=["never"],
+                balance=balance, profiles=profiles)[0]
         except (ValueError, gp.NoPlanFits):
             continue  # a schedule the planner does not model at this layout
-        predicted[schedule] = plans[0].step_time
-    return predicted
+    return plans
+
+
+def planned_balances(config: Namespace, profiles: list[gp.StageProfile]
+                     ) -> dict[str, list[int]]:
+    """gp.plan's own balance for each of our schedules (``--balance planned``)."""
+    return {s: p.balance for s, p in _plans(config, dict.fromkeys(OURS), profiles).items()}
+
+
+def planned(config: Namespace, balances: dict[str, list[int]],
+            profiles: list[gp.StageProfile] | None) -> dict[str, float]:
+    """gp.plan's predicted step time of each measured schedule at the balance it ran with
+    (``balances``), priced by ``profiles`` as the apps price a budget's plan, or where None by
+    the counted costs alone."""
+    return {s: p.step_time for s, p in _plans(config, dict(balances), profiles).items()}
 
 
 def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, float],
@@ -131,6 +162,7 @@ def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, f
         row: dict[str, Any] = {field: statistics.median(r[field] for r in ran)
                                for field in ("seconds", "bound_seconds", "bound_efficiency")}
         row["bound_efficiency_per_launch"] = [r["bound_efficiency"] for r in ran]
+        row["balance"] = ran[0]["balance"]  # the same in every launch
         for field in CAUSES:
             row[field] = [statistics.median(r[field][rank] for r in ran) for rank in range(K)]
         return row
@@ -179,7 +211,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"K={K}, M={M}; medians over launches; bound = the busiest rank's own compute")
     for row in rows:
         s = row["schedules"]
-        print(f"\n{row['family']} ({row['launches']} launches): fastest {row['fastest']} at "
+        print(f"\n{row['family']} ({row['launches']} launches): fastest {row['fastest']} "
+              f"{s[row['fastest']]['balance']} at "
               f"{s[row['fastest']]['seconds']:.4f} s, {row['fastest_bound_efficiency']:.3f} of its "
               f"bound (goal {GOAL_BOUND}: {'met' if row['bound_goal_met'] else 'missed'})")
         print(f"  {'schedule':<17}{'s/step':>9}{'bound s':>9}{'bound/step':>11}"
@@ -205,7 +238,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 for n, v in row["split_excess_per_rank"].items()))
         if "plan" in row:
             p = row["plan"]
-            print(f"  gp.plan chose {p['choice']}: measured {p['choice_over_fastest']:+.1%} "
+            print(f"  gp.plan chose {p['choice']} {s[p['choice']]['balance']}: measured "
+                  f"{p['choice_over_fastest']:+.1%} "
                   f"against the fastest (goal <= {GOAL_PLAN:.0%}: "
                   f"{'met' if row['plan_goal_met'] else 'missed'})")
         if "plan_counted" in row:
@@ -221,6 +255,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed rounds per launch")
     parser.add_argument("--quick", action="store_true", help="tiny models (the tests)")
     parser.add_argument("--launch-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--balance", choices=["equal", "planned"], default="equal",
+                        help="equal: the layers in equal counts per stage; planned: each "
+                             "schedule at gp.plan's own balance (from the same per-layer "
+                             "seconds), torch's schedule of that name too")
     parser.add_argument("--json", default="docs/reproduction/efficiency_bound.json")
     args = parser.parse_args()
     if args.launches < 1 or args.steps < 1:
@@ -229,11 +267,17 @@ def main() -> None:
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="efficiency_bound_") as scratch:
         for family in args.families:
-            reports = [launch(family, i, args, Path(scratch)) for i in range(args.launches)]
+            config = parse_args([*bench_arguments(family, args, {}), "--out", scratch,
+                                 "--json", str(Path(scratch) / "unused.json")])
+            profiles = layer_profiles(config)
+            balances = planned_balances(config, profiles) if args.balance == "planned" else {}
+            reports = [launch(family, i, args, Path(scratch), balances)
+                       for i in range(args.launches)]
             raw[family] = [report["rows"] for report in reports]
-            config = reports[0]["config"]
-            rows.append(summarize(family, reports, planned(config, list(OURS)),
-                                  planned(config, list(OURS), measured=False)))
+            ran = {r["schedule"]: r["balance"] for r in reports[0]["rows"]
+                   if r["impl"] == "gpipe_core" and r["M"] == M}
+            rows.append(summarize(family, reports, planned(config, ran, profiles),
+                                  planned(config, ran, None)))
     print_table(rows)
     write_json(args.json, {"provenance": provenance(load_before), "config": vars(args),
                            "goals": {"bound": GOAL_BOUND, "plan": GOAL_PLAN},

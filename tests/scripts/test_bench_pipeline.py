@@ -112,3 +112,11 @@ def test_a_balance_that_does_not_cover_the_model_is_refused(tmp_path: Path) -> N
     )
     assert result.returncode == 2
     assert "--balance [2, 3] must be positive and sum to the model's 4 layers" in result.stderr
+    result = subprocess.run(  # one schedule's balance: its own stage count (zb_v has 4)
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "4",
+         "--width", "16", "--batch", "8", "--balance-of", "zb_v=1,3", "--out", str(tmp_path),
+         "--json", str(tmp_path / "published.json")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "--balance-of 'zb_v=1,3': give SCHEDULE=N,N,..." in result.stderr

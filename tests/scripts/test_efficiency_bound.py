@@ -58,3 +58,32 @@ def test_efficiency_bound_summarizes_its_launches(tmp_path: Path) -> None:
     assert row["plan"]["predicted_seconds"] != row["plan_counted"]["predicted_seconds"]
     assert row["plan_goal_met"] == (row["plan"]["choice_over_fastest"] <= 0.03)
     assert f"fastest {fastest}" in result.stdout and "gp.plan chose" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_each_schedule_runs_at_the_planners_own_balance(tmp_path: Path) -> None:
+    """--balance planned: each of our schedules, and torch's of the same name, runs at the
+    balance gp.plan chose for it from the per-layer seconds (which vary run to run, so only
+    its shape is checked here), and gp.plan's prediction is of that balance."""
+    out = tmp_path / "planned.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "efficiency_bound.py"), "--quick",
+         "--families", "mlp", "--launches", "1", "--steps", "1", "--balance", "planned",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["balance"] == "planned"
+    (row,) = report["families"]
+    (rows,) = report["launch_rows"]["mlp"]
+    virtual = {"interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v"}
+    for name, summary in row["schedules"].items():
+        balance = summary["balance"]
+        assert len(balance) == (4 if name in virtual else 2) and sum(balance) == 4
+        assert min(balance) >= 1
+        for r in rows:
+            if r["schedule"] == name and r["impl"] == "torch.pipelining":
+                assert r["balance"] == balance
+    assert set(row["plan"]["predicted_seconds"]) == set(row["schedules"])
