@@ -103,9 +103,9 @@ class StageProfile:
         if shape != other:
             raise ValueError(f"the profiles differ in (schedule, micro-batches, stages, rounds): "
                              f"{shape} and {other}; profile the same stages twice")
-        times = [{**{k: v for k, v in r.items() if k.endswith("_remat")},
-                  **{k: v for k, v in k_.items() if not k.endswith("_remat")}}
-                 for k_, r in zip(kept.samples, rematerialized.samples, strict=True)]
+        times = [{**{kind: v for kind, v in remat.items() if kind.endswith("_remat")},
+                  **{kind: v for kind, v in keep.items() if not kind.endswith("_remat")}}
+                 for keep, remat in zip(kept.samples, rematerialized.samples, strict=True)]
         return cls.from_rounds(kept.schedule, kept.num_microbatches, "except_last", times,
                                list(kept.transfer), kept.rounds)
 

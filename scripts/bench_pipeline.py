@@ -191,11 +191,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
         for impl, schedule in ([("gpipe_core", s) for s in OURS]
                                + [("torch.pipelining", s) for s in THEIRS]):
             model = work.build()
-            balance = equal_balance(len(model), schedule)
-            if schedule in args.balance_of:
-                balance = list(args.balance_of[schedule])
-            elif args.balance and len(args.balance) == len(balance):
-                balance = list(args.balance)
+            balance = list(args.balance_of.get(schedule, equal_balance(len(model), schedule)))
             if len(model) < len(balance):  # a stage without layers: nothing to compare
                 continue
             step = make_step(impl, schedule, model, balance, m, rank, x, y, args.checkpoint,
@@ -415,7 +411,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{', '.join(VIRTUAL)}), positive, summing to the model's {layers} "
                          "layers")
         balances[schedule] = balance
-    args.balance_of = balances
+    for schedule in OURS:  # --balance: every other schedule with that many stages
+        if args.balance and len(equal_balance(layers, schedule)) == len(args.balance):
+            balances.setdefault(schedule, list(args.balance))
+    args.balance_of = balances  # per schedule (torch's of the same name too)
     return args
 
 

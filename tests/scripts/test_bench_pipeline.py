@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench_pipeline import VIRTUAL
 from tests.scripts.published import assert_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +45,7 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
             assert len(row["peak_rss_mb_per_rank"]) == 2
             assert len(row["peak_tensor_mb_per_rank"]) == 2
             if key[0] != "plain":  # --balance for two stages; virtual ones in equal counts
-                assert row["balance"] == ([1, 3] if "interleaved" not in key[1]
-                                          and key[1] not in ("zb_v", "dualpipe_v") else [1] * 4)
+                assert row["balance"] == ([1] * 4 if key[1] in VIRTUAL else [1, 3])
             if key[0] == "gpipe_core":  # the bubble-free bound, from the same steps' timelines
                 # the busiest rank's compute happened inside the step: never above its time
                 assert all(0 < b <= t for b, t in zip(row["bound_samples"], row["samples"],
@@ -65,7 +65,6 @@ def test_bench_pipeline_writes_every_row(tmp_path: Path) -> None:
             else:
                 assert "bound_seconds" not in row
     assert ("torch.pipelining", "1f1b", 1) not in rows  # Schedule1F1B needs M >= K
-
     assert ("torch.pipelining", "1f1b", 2) in rows
     assert (out / "bench_pipeline.png").stat().st_size > 0
     assert "torch.pipelining time / gpipe_core time" in result.stdout

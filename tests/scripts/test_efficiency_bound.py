@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench_pipeline import VIRTUAL
 from tests.scripts.published import assert_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,10 +79,9 @@ def test_each_schedule_runs_at_the_planners_own_balance(tmp_path: Path) -> None:
     assert report["config"]["balance"] == "planned"
     (row,) = report["families"]
     (rows,) = report["launch_rows"]["mlp"]
-    virtual = {"interleaved_1f1b", "interleaved_zb", "zb_v", "dualpipe_v"}
     for name, summary in row["schedules"].items():
         balance = summary["balance"]
-        assert len(balance) == (4 if name in virtual else 2) and sum(balance) == 4
+        assert len(balance) == (4 if name in VIRTUAL else 2) and sum(balance) == 4
         assert min(balance) >= 1
         for r in rows:
             if r["schedule"] == name and r["impl"] == "torch.pipelining":
