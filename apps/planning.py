@@ -110,19 +110,20 @@ def _counted(model: AppModel, depth: int, dtype: torch.dtype) -> gp.LayerCosts:
     layers = list(module._modules.values())
     costs = gp.layer_costs(nn.Sequential(*layers, _Loss(model.loss)), sample,
                            same_layer=structural_key)
-    return with_loss(costs)
+    return with_loss(costs, rows=model.batch_size)
 
 
 _TRAFFIC = ("forward_traffic_bytes", "backward_traffic_bytes", "forward_traffic_fixed_bytes",
             "backward_traffic_fixed_bytes")
 
 
-def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
+def with_loss(costs: gp.LayerCosts, rows: int) -> gp.LayerCosts:
     """The costs of a model counted with its loss as one more layer, the loss folded into the
     last layer: its compute added, what it saves (its input included) added to what that layer
     keeps, so a stage ending there holds it per micro-batch in flight (and recomputes it with
     that layer); its backward's working bytes the larger of the loss's and the layer's (less
-    what the loss saved, freed by then); its output the loss."""
+    what the loss saved, freed by then) at every micro-batch of 1 to ``rows`` rows (the
+    batch); its output the loss."""
     merged = {name: list(getattr(costs, name)[:-1]) for name in (
         "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
         "saved_fixed_bytes",
@@ -138,13 +139,26 @@ def with_loss(costs: gp.LayerCosts) -> gp.LayerCosts:
     # it once the loss's saved tensors are freed: what the layer's own backward holds at once
     # is above a kept count that still has them.
     loss_saved = costs.saved_bytes[-1] + costs.saved_input_bytes[-1]
-    merged["backward_bytes"][-1] = max(merged["backward_bytes"][-1] - loss_saved,
-                                       costs.backward_bytes[-1])
-    merged["backward_fixed_bytes"][-1] = max(merged["backward_fixed_bytes"][-1],
-                                             costs.backward_fixed_bytes[-1])
+    merged["backward_bytes"][-1], merged["backward_fixed_bytes"][-1] = _upper_line(
+        (merged["backward_bytes"][-1] - loss_saved, merged["backward_fixed_bytes"][-1]),
+        (costs.backward_bytes[-1], costs.backward_fixed_bytes[-1]),
+        (1 / costs.batch_size, max(rows, 1) / costs.batch_size))
     merged["output_bytes"][-1] = costs.output_bytes[-1]  # the last stage ends in the loss
     merged["output_unsaved_bytes"][-1] = costs.output_unsaved_bytes[-1]
     return gp.LayerCosts(batch_size=costs.batch_size, **merged)
+
+
+def _upper_line(first: tuple[float, float], second: tuple[float, float],
+                span: tuple[float, float]) -> tuple[float, float]:
+    """One ``(growing, fixed)`` count for two backward moments of one layer, each ``growing * x
+    + fixed`` bytes for a micro-batch of ``x`` times the counted batch, of which the larger
+    holds: the line through their upper envelope at the ends of ``span`` (exact there, an upper
+    bound between). Not the larger part of each: the layer's weight-sized gradient (fixed) and
+    the loss's logits-sized temporaries (growing) do not coincide."""
+    low, high = span
+    at_low, at_high = (max(g * x + f for g, f in (first, second)) for x in (low, high))
+    growing = (at_high - at_low) / (high - low) if high > low else 0.0
+    return growing, at_low - growing * low
 
 
 def run(model: AppModel, args: argparse.Namespace) -> int:

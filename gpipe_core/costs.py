@@ -18,8 +18,11 @@ on a sample batch and counts, per layer:
   it waits for the output's gradient (it keeps its outputs to run the backward from them);
 - ``backward_bytes``: the most the layer's backward holds at once beyond what the forward
   saved: the gradient it receives (``output_bytes``), its temporaries and the gradient of its
-  input, replayed from every storage its backward creates and frees; parameter gradients are
-  left out (the optimizer's memory counts them). Counted at the sample's batch and at twice
+  input, replayed from every storage its backward creates and frees, its parameters' fresh
+  gradients included: in every backward but a stage's first they are made beside the
+  gradients already held (which the optimizer's memory counts) and summed into them, so they
+  are temporaries at the layer's peak (a weight used twice: both parts and their sum; an
+  embedding's dense gradient is as large as its table). Counted at the sample's batch and at twice
   it: the part that grows with the batch is ``backward_bytes``, the rest, which does not
   (a weight used twice has its gradient's parts summed), ``backward_fixed_bytes``;
 - ``forward_flops`` / ``backward_flops``: ``torch.utils.flop_counter.FlopCounterMode``
@@ -286,9 +289,7 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
         with FlopCounterMode(display=False) as backward_count, backward_ops, allocations:
             if outputs:
                 torch.autograd.backward(outputs, grads)
-    parameter_grads = [p.grad for p in layer.parameters() if p.grad is not None]
-    backward_held = allocations.peak(parameter_grads) + sum(
-        g.numel() * g.element_size() for g in grads)
+    backward_held = allocations.peak() + sum(g.numel() * g.element_size() for g in grads)
     del grads
     layer.zero_grad(set_to_none=True)
     input_keys = [_storage_key(t) for t in leaves]

@@ -599,15 +599,15 @@ class _Selective:
         rebuilt activations up to the layer (a fused backward rebuilds one run at a time and
         frees each layer's as it passes it; a split backward's I keeps them all until W, which
         the simulation counts), and the layer's own backward (the gradient it receives,
-        temporaries, its input's gradient); less what the kept layers it has passed saved of
+        temporaries, its parameters' fresh gradients, its input's gradient); less what the kept layers it has passed saved of
         their own making (their intermediates and outputs, which only later layers read: all
         passed by then). What they saved of their inputs is not subtracted (an earlier layer
         may still hold it: AmoebaNet's cells read the two previous outputs), nor what the
         stage's last layer saved of its output (held to the end; all it saved where that is not
         known), so the count stays an upper bound; it
         may be negative (the kept bytes it adds to count the whole micro-batch). ``first``:
-        the stage's first backward, which also makes its parameters' gradients, layer by layer
-        (the gradients of the layers from the current one to the stage's last)."""
+        the stage's first backward, whose gradients stay: while a layer's backward runs, the
+        stage also holds the gradients its later layers made."""
         a, b = self.stages[s]
         runs = self._runs(s, keep)
         # what the kept layers from i on saved of their own making; of the stage's last, only
@@ -621,7 +621,9 @@ class _Selective:
                 self.layer_outputs[b - 1] - self.outputs_kept[s], 0.0)
             own[-1] = max(self.layer_own[b - 1] - saved_output, 0.0)
         passed_from = [sum(own[j - a:]) for j in range(a, b + 1)]
-        made_from = [sum(self.layer_grads[j:b]) if first and self.layer_grads is not None
+        # in the first backward, the gradients the later layers made, held while layer j's
+        # backward runs (layer j's own are in its count, layer_backward, as it makes them)
+        made_from = [sum(self.layer_grads[j + 1:b]) if first and self.layer_grads is not None
                      else 0.0 for j in range(a, b)]
         most = -float("inf")
         for run in runs:
