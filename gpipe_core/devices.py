@@ -59,6 +59,11 @@ class Device:
     source: str = ""
     # bytes/s of the operators without counted FLOPs; 0: their traffic is not priced
     memory_bandwidth: float = 0.0
+    # what a message between two ranks takes from each end's own compute (a transport that
+    # copies on the cores, gloo over loopback): seconds per message and bytes/s; a bandwidth
+    # of 0: nothing (a link with its own engine, NCCL's copy kernels aside)
+    message_overhead: float = 0.0
+    message_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.achievable <= 1:
@@ -66,6 +71,10 @@ class Device:
         for name in ("memory_bytes", "peak_flops", "link_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.message_overhead < 0 or self.message_bandwidth < 0:
+            raise ValueError(f"message_overhead={self.message_overhead} and message_bandwidth="
+                             f"{self.message_bandwidth} must be >= 0 (a bandwidth of 0: messages "
+                             "take nothing from the ranks' compute)")
         if self.memory_bandwidth < 0:
             raise ValueError(f"memory_bandwidth={self.memory_bandwidth} must be bytes/s >= 0 "
                              "(0: the traffic of operators without FLOPs is not priced)")
@@ -84,6 +93,13 @@ class Device:
     def transfer_seconds(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` to the neighbouring stage (0 bytes: no message)."""
         return self.link_latency + nbytes / self.link_bandwidth if nbytes > 0 else 0.0
+
+    def message_cpu_seconds(self, nbytes: float) -> float:
+        """Seconds of each end's compute a message of ``nbytes`` takes (0 without a
+        ``message_bandwidth``, or without bytes)."""
+        if not self.message_bandwidth or nbytes <= 0:
+            return 0.0
+        return self.message_overhead + nbytes / self.message_bandwidth
 
     def with_memory(self, memory_bytes: float) -> Device:
         return replace(self, memory_bytes=memory_bytes)

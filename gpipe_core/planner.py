@@ -18,7 +18,9 @@ For a model that does not exist yet, give :func:`plan` ``costs`` counted on ``me
 (:class:`~gpipe_core.devices.Device`) instead: each micro-batch's per-layer seconds then come
 from its FLOPs, operator calls and (with the device's ``memory_bandwidth``) the bytes its
 element-wise operators move on that device (below peak for tiny micro-batches), each
-boundary's transfer from its message bytes over the link, the memory budget from the device,
+boundary's transfer from its message bytes over the link (and, with the device's
+``message_bandwidth``, the compute each message takes from the ranks at both ends: a CPU
+transport's copies), the memory budget from the device,
 and the parameter memory from ``optimizer`` (bytes per parameter: weights, gradients, state).
 :func:`plan_largest` searches a ladder of model sizes for the largest that fits for each K.
 
@@ -149,8 +151,8 @@ def plan(
     may be more than B), the whole-batch costs for the balance (M times the smallest M's),
     and the M to try. Without a memory budget (and sizes), every plan fits. ``profiles``
     with ``costs`` and ``device``: the seconds are the profiles' (measured on the machine
-    that will run), the bytes, the budget and the transfers the counted costs' and the
-    device's (where a device's FLOP and bandwidth rates rank layers wrongly, as a CPU core's
+    that will run), the bytes, the budget and the transfers (and the messages' compute) the
+    counted costs' and the device's (where a device's FLOP and bandwidth rates rank layers wrongly, as a CPU core's
     do for small convolutions and pooling).
     ``schedule``: any name :func:`~gpipe_core.schedule.get_schedule` knows, or several (the
     plans of all of them compete; ``"all"``: every built-in one). ``"interleaved_1f1b"`` and
@@ -437,9 +439,12 @@ def _plans_for(
         grads = (None if gradient_bytes is None
                  else [per_stage(gradient_bytes, a, b) for a, b in stages])
         links: float | list[float] = transfer
+        copies: float | list[float] = 0.0  # each end's compute per message (a CPU transport)
         if boundary_bytes is not None and device is not None:
             links = [transfer + device.transfer_seconds(boundary_bytes[b - 1] / m)
                      for _, b in stages[:-1]]
+            copies = [device.message_cpu_seconds(boundary_bytes[b - 1] / m)
+                      for _, b in stages[:-1]]
         try:
             actions = get_schedule(name, num_stages, m, num_ranks=k)
         except ValueError:  # this M does not suit the schedule (DualPipeV: M < 2K)
@@ -465,7 +470,8 @@ def _plans_for(
             dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
                  transfer=links, activation_bytes=acts, input_bytes=inputs,
                  output_bytes=outputs, gradient_bytes=grads,
-                 posted_receives=grads is not None), layer_remat, gradient_bytes,
+                 posted_receives=grads is not None, message_cpu=copies), layer_remat,
+            gradient_bytes,
             outputs_kept)
         for checkpoint in checkpoints:
             if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
@@ -502,7 +508,7 @@ def _plans_for(
                            input_bytes=inputs, output_bytes=outputs, gradient_bytes=grads,
                            backward_working_bytes=working,
                            first_backward_working_bytes=first_working,
-                           posted_receives=grads is not None)
+                           posted_receives=grads is not None, message_cpu=copies)
             kept = [x - g for x, g in zip(sim.peak_bytes, rank_grads, strict=True)]
             peak = max(h + a for h, a in zip(held, kept, strict=True))
             smallest = min(smallest, peak)

@@ -56,6 +56,7 @@ def simulate(
     backward_working_bytes: Sequence[float] | None = None,
     first_backward_working_bytes: Sequence[float] | None = None,
     posted_receives: bool = False,
+    message_cpu: float | Sequence[float] = 0.0,
     per_round: bool = False,
 ) -> Simulation:
     """Simulate ``schedule`` with per-stage, per-micro-batch forward/backward times; a rank
@@ -104,6 +105,14 @@ def simulate(
     (``input_bytes[s]`` for activations, ``output_bytes[s]`` for gradients) from the step's
     start until that link's last message arrives.
 
+    ``message_cpu``: seconds of each end's own compute a message across boundary ``s -> s+1``
+    takes (one value, or one per boundary), where the two stages run on different ranks: a
+    transport that copies on the ranks' cores (gloo over loopback: the sender's core writes
+    the message, the receiver's reads it) takes it from the stage's work. The sending action
+    (an F sending its output, a B or I sending its input's gradient) and the action that takes
+    the message (the next stage's F, the previous stage's B or I) each last that much longer;
+    ``transfer`` stays the delay on the way.
+
     ``per_round`` (with a profile): simulate each of the profile's timed rounds with that
     round's own costs (:meth:`~gpipe_core.stage_profile.StageProfile.round`) and return the round
     of median step time (the lower of the two middle ones for an even count). A step lasts as
@@ -127,7 +136,7 @@ def simulate(
                                 working_bytes=working_bytes, kept_bytes=kept_bytes,
                                 backward_working_bytes=backward_working_bytes,
                                 first_backward_working_bytes=first_backward_working_bytes,
-                                posted_receives=posted_receives)
+                                posted_receives=posted_receives, message_cpu=message_cpu)
                        for r in range(rounds)),
                       key=lambda sim: sim.step_time)
         return runs[(rounds - 1) // 2]
@@ -169,6 +178,18 @@ def simulate(
             raise ValueError(f"transfer has {len(links)} values for {k - 1} boundaries between "
                              f"{k} stages; give one per boundary or a single number")
     links = [0.0 if placement[s] == placement[s + 1] else t for s, t in enumerate(links)]
+    if isinstance(message_cpu, (int, float)):
+        copies = [float(message_cpu)] * max(k - 1, 0)
+    else:
+        copies = [float(c) for c in message_cpu]
+        if len(copies) != k - 1:
+            raise ValueError(f"message_cpu has {len(copies)} values for {k - 1} boundaries "
+                             f"between {k} stages; give one per boundary or a single number")
+    copies = [0.0 if placement[s] == placement[s + 1] else c for s, c in enumerate(copies)]
+    # each action's share of its messages: F receives from s-1 and sends to s+1; B (or I)
+    # receives from s+1 and sends to s-1; W sends nothing
+    messages = [(copies[s - 1] if s > 0 else 0.0) + (copies[s] if s + 1 < k else 0.0)
+                for s in range(k)]
     rerun = list(forward_costs) if recompute is None else list(recompute)
     first_pass = list(forward_costs) if forward_no_grad is None else list(forward_no_grad)
     stop = checkpoint_stop(checkpoint, m)
@@ -206,6 +227,8 @@ def simulate(
                     duration = first_pass[s]
                 elif action.kind in "BI" and rematerialized:
                     duration += rerun[s]
+                if action.kind != "W":
+                    duration += messages[s]
                 end = start + duration
                 finish[(s, action.kind, action.mb)] = end
                 if action.kind == "B":

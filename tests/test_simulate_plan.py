@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -378,3 +379,62 @@ def test_plan_chooses_among_all_schedules_with_virtual_stages() -> None:
         schedule=("1f1b", "zb_h2", "zb_v"), **{**common, "memory_budget": budget})
         if p.num_ranks == 2 and p.checkpoint == "never"}
     assert ("zb_v", 8) in fitting and ("1f1b", 8) in fitting and ("zb_h2", 8) not in fitting
+
+
+def test_a_message_takes_compute_from_both_ends() -> None:
+    """``message_cpu``: each action lasts as much longer as the messages it sends and takes
+    cost its rank (F: its input from s-1, its output to s+1; B: the gradient from s+1, the one
+    to s-1), exactly as if the stages' costs held them; W sends nothing."""
+    c = 0.125
+    for m in (1, 4):
+        charged = simulate(gp.one_f_one_b(3, m), [1.0] * 3, [2.0] * 3, message_cpu=c)
+        # stage 0 and 2 have one neighbour, stage 1 two
+        folded = simulate(gp.one_f_one_b(3, m), [1 + c, 1 + 2 * c, 1 + c],
+                          [2 + c, 2 + 2 * c, 2 + c])
+        assert charged.step_time == pytest.approx(folded.step_time)
+        assert [e.end - e.start for e in charged.events] == pytest.approx(
+            [e.end - e.start for e in folded.events])
+    split = simulate(gp.zb_h1(2, 4), [1.0] * 2, backward_input=[1.0] * 2,
+                     backward_weight=[1.0] * 2, message_cpu=[c])
+    for event in split.events:
+        assert event.end - event.start == pytest.approx(1.0 if "W" in event.action
+                                                        else 1.0 + c)
+    with pytest.raises(ValueError, match="message_cpu has 1 values for 2 boundaries"):
+        simulate(gp.fill_drain(3, 1), [1.0] * 3, [1.0] * 3, message_cpu=[c])
+
+
+def test_a_message_inside_a_rank_takes_no_compute() -> None:
+    # ZB-V on two ranks: the turn of the V (stages 1 -> 2, both on rank 1) sends nothing.
+    four = dict(backward_input=[1.0] * 4, backward_weight=[1.0] * 4)
+    turn_only = simulate(gp.zb_v(4, 4), [1.0] * 4, message_cpu=[0.0, 5.0, 0.0], **four)
+    none = simulate(gp.zb_v(4, 4), [1.0] * 4, **four)
+    assert turn_only.step_time == none.step_time
+
+
+def test_the_planner_charges_messages_where_stages_meet_across_ranks() -> None:
+    """A device whose messages cost the cores (``message_bandwidth``): with the same two
+    ranks, interleaved stages (every boundary between ranks: three) pay more than two stages
+    (one boundary), by what the simulation with those costs folded in says."""
+    n = 16
+    common = dict(forward=[1.0] * n, backward=[2.0] * n, activation_bytes=[1.0] * n,
+                  input_bytes=[1.0] * n, param_bytes=[0.0] * n, batch_size=8,
+                  memory_budget=1e9, stages=[2], microbatches=[8], checkpoints=["never"])
+    free = gp.Device("core", memory_bytes=2**30, peak_flops=1e9)
+    assert free.message_cpu_seconds(1e6) == 0.0
+    copying = dataclasses.replace(free, message_overhead=1e-3, message_bandwidth=1e8)
+    assert copying.message_cpu_seconds(1e6) == pytest.approx(1e-3 + 1e-2)
+    assert copying.message_cpu_seconds(0) == 0.0
+    with pytest.raises(ValueError, match="message_bandwidth=-1"):
+        dataclasses.replace(free, message_bandwidth=-1)
+    costs = gp.LayerCosts(batch_size=8, **{
+        **{name: [0.0] * n for name in ("param_count", "param_bytes", "saved_bytes",
+                                        "saved_input_bytes", "forward_flops",
+                                        "backward_flops", "forward_ops", "backward_ops")},
+        "names": [str(i) for i in range(n)], "input_bytes": [8e5] * n,
+        "output_bytes": [8e5] * n})
+    added = {}
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        steps = [plan(costs, device=device, schedule=schedule, **common)[0].step_time
+                 for device in (free, copying)]
+        added[schedule] = steps[1] - steps[0]
+    assert 0 < added["1f1b"] < added["interleaved_1f1b"]
