@@ -253,15 +253,19 @@ MiB = 2**20
 # One core of the CPU the apps train on, for gp.plan's time model, measured with one thread by
 # scripts/measure_cpu_core.py (docs/reproduction/cpu_core.json; tests/scripts/
 # test_measure_cpu_core.py keeps the two equal): fp32 matmul at half of peak_flops, the cost of
-# a tiny operator, the median bandwidth of element-wise, normalisation and pooling layers. The
-# link is an assumption (gloo over loopback). It ranks the choices; the budget is bytes.
-CPU_CORE = gp.Device("cpu_core", memory_bytes=64 * GiB, peak_flops=249.9e9, achievable=0.5,
-                     op_overhead=2.80e-6, memory_bandwidth=7.18e9, link_bandwidth=2e9,
-                     link_latency=50e-6,
-                     source="measured (docs/reproduction/cpu_core.json) on Intel(R) Xeon(R) "
-                            "Processor, 1 thread, a shared host (steal time): fp32 matmul "
-                            "125 GFLOP/s, 2.80 us per tiny op, element-wise layers 7.18 GB/s "
-                            "(median); link assumed")
+# a tiny operator, the median bandwidth of element-wise, normalisation and pooling layers; and
+# what a gloo message between two ranks takes from each end's core, measured by
+# scripts/measure_messages.py (docs/reproduction/cpu_messages.json). The link adds only a
+# latency: a message's one-way time (80 us + bytes / 1.9 GB/s there) is less than the two
+# ends' copies, which the simulation charges to the actions (they overlap in the transport).
+# It ranks the choices; the budget is bytes.
+CPU_CORE = gp.Device("cpu_core", memory_bytes=64 * GiB, peak_flops=203.4e9, achievable=0.5,
+                     op_overhead=1.17e-6, memory_bandwidth=14.77e9, link_bandwidth=1e12,
+                     link_latency=5e-6, message_overhead=45.8e-6, message_bandwidth=2.79e9,
+                     source="measured (docs/reproduction/cpu_core.json, cpu_messages.json) on "
+                            "AMD EPYC, 1 thread per rank, a shared host: fp32 matmul "
+                            "102 GFLOP/s, 1.17 us per tiny op, element-wise layers 14.8 GB/s "
+                            "(median); each end of a gloo message 45.8 us + bytes / 2.79 GB/s")
 # What a budget lets the planner choose among: the fixed modes and kept layers per stage
 BUDGET_CHECKPOINTS = ("never", "except_last", "always", "selective")
 
