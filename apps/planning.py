@@ -127,7 +127,8 @@ def with_loss(costs: gp.LayerCosts, rows: int) -> gp.LayerCosts:
     merged = {name: list(getattr(costs, name)[:-1]) for name in (
         "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
         "saved_fixed_bytes",
-        "input_bytes", "output_bytes", "output_unsaved_bytes", "backward_bytes",
+        "input_bytes", "output_bytes", "output_unsaved_bytes", "output_passthrough_bytes",
+        "backward_bytes",
         "backward_fixed_bytes",
         "forward_flops", "backward_flops", "forward_ops", "backward_ops", *_TRAFFIC)}
     for name in ("param_count", "param_bytes", "forward_flops", "backward_flops", "forward_ops",
@@ -145,6 +146,7 @@ def with_loss(costs: gp.LayerCosts, rows: int) -> gp.LayerCosts:
         (1 / costs.batch_size, max(rows, 1) / costs.batch_size))
     merged["output_bytes"][-1] = costs.output_bytes[-1]  # the last stage ends in the loss
     merged["output_unsaved_bytes"][-1] = costs.output_unsaved_bytes[-1]
+    merged["output_passthrough_bytes"][-1] = costs.output_passthrough_bytes[-1]
     return gp.LayerCosts(batch_size=costs.batch_size, **merged)
 
 

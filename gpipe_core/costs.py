@@ -16,6 +16,8 @@ on a sample batch and counts, per layer:
 - ``output_unsaved_bytes``: the part of ``output_bytes`` whose storage the layer did not save
   for its own backward: what a stage ending at this layer holds apart, per micro-batch, while
   it waits for the output's gradient (it keeps its outputs to run the backward from them);
+- ``output_passthrough_bytes``: the part of ``output_bytes`` that is the layer's input passed
+  on (the same storage), so the next layer's input shares it with this one's;
 - ``backward_bytes``: the most the layer's backward holds at once beyond what the forward
   saved: the gradient it receives (``output_bytes``), its temporaries and the gradient of its
   input, replayed from every storage its backward creates and frees, its parameters' fresh
@@ -80,6 +82,9 @@ class LayerCosts:
     input_bytes: list[float] = field(default_factory=list)
     output_bytes: list[float] = field(default_factory=list)
     output_unsaved_bytes: list[float] = field(default_factory=list)  # output it did not save
+    # output that is its input passed on (the same storage: an AmoebaNet cell hands the
+    # previous cell's output to the next beside its own)
+    output_passthrough_bytes: list[float] = field(default_factory=list)
     backward_bytes: list[float] = field(default_factory=list)  # held by its backward, per batch
     backward_fixed_bytes: list[float] = field(default_factory=list)  # and at any batch
     forward_flops: list[float] = field(default_factory=list)
@@ -301,9 +306,12 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
     saved_outputs = frozenset(i for i, t in enumerate(output_leaves)
                               if _storage_key(t) in saved.sizes)
     unsaved: dict[int, int] = {}  # each storage once: two outputs may be views of one
+    passed: dict[int, int] = {}
     for i, t in enumerate(output_leaves):
         if i not in saved_outputs:
             unsaved[_storage_key(t)] = t.numel() * t.element_size()
+        if _storage_key(t) in input_keys:
+            passed[_storage_key(t)] = t.numel() * t.element_size()
     values = {
         "param_count": sum(p.numel() for p in layer.parameters()),
         "param_bytes": float(sum(p.numel() * p.element_size() for p in layer.parameters())),
@@ -311,6 +319,7 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
         "input_bytes": _nbytes(x),
         "output_bytes": _nbytes(y),
         "output_unsaved_bytes": float(sum(unsaved.values())),
+        "output_passthrough_bytes": float(sum(passed.values())),
         "backward_bytes": float(backward_held),
         "forward_flops": float(forward_count.get_total_flops()),
         "backward_flops": float(backward_count.get_total_flops()),

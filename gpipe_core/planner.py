@@ -206,6 +206,7 @@ def plan(
     # per layer: its output not saved by it, which a stage ending there keeps for its backward
     output_unsaved: Sequence[float] | None = None
     saved_fixed: Sequence[float] | None = None  # per layer: what it saves at any batch size
+    passthrough: Sequence[float] | None = None  # per layer: its output that is its input
     remat: dict[int, tuple[list[float], list[float]]] = {}
     if profiles:
         measured = _from_profiles(profiles)
@@ -245,6 +246,7 @@ def plan(
         own_saved = whole.saved_bytes
         gradient_bytes = whole.param_bytes  # a gradient has its weight's dtype and size
         output_unsaved = whole.output_unsaved_bytes or None  # None: counted before the field
+        passthrough = whole.output_passthrough_bytes or None
         saved_fixed = whole.saved_fixed_bytes or None
         if memory_budget is None:
             memory_budget = device.memory_bytes
@@ -289,7 +291,8 @@ def plan(
                     boundary_bytes=boundary_bytes, backward_bytes=backward_bytes,
                     backward_fixed=backward_fixed, own_saved=own_saved,
                     gradient_bytes=gradient_bytes, output_unsaved=output_unsaved,
-                    saved_fixed=saved_fixed, device=device, balance=balance)
+                    saved_fixed=saved_fixed, passthrough=passthrough, device=device,
+                    balance=balance)
                 plans += found
                 smallest = min(smallest, least)
     if not plans:
@@ -375,6 +378,7 @@ def _plans_for(
     gradient_bytes: Sequence[float] | None = None,
     output_unsaved: Sequence[float] | None = None,
     saved_fixed: Sequence[float] | None = None,
+    passthrough: Sequence[float] | None = None,
 ) -> tuple[list[Plan], float]:
     """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
     the smallest peak memory of any of its configurations (fitting or not).
@@ -472,7 +476,9 @@ def _plans_for(
                  output_bytes=outputs, gradient_bytes=grads,
                  posted_receives=grads is not None, message_cpu=copies), layer_remat,
             gradient_bytes,
-            outputs_kept)
+            outputs_kept, None if passthrough is None else [p / m for p in passthrough],
+            None if output_unsaved is None else [
+                (o - u) / m for o, u in zip(boundary_bytes or [], output_unsaved, strict=True)])
         for checkpoint in checkpoints:
             if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
                 if isinstance(checkpoint, Remat):
@@ -539,7 +545,9 @@ class _Selective:
                  simulate_kwargs: dict[str, Any],
                  layer_remat: tuple[Sequence[float], Sequence[float]] | None = None,
                  layer_grads: Sequence[float] | None = None,
-                 outputs_kept: Sequence[float] | None = None) -> None:
+                 outputs_kept: Sequence[float] | None = None,
+                 layer_passthrough: Sequence[float] | None = None,
+                 layer_saved_outputs: Sequence[float] | None = None) -> None:
         self.stages = list(stages)
         self.actions = actions
         self.on_rank = on_rank
@@ -561,6 +569,10 @@ class _Selective:
         self.outputs_known = outputs_kept is not None
         self.outputs_kept = list(outputs_kept or [0.0] * len(self.stages))
         self.layer_grads = layer_grads  # per layer: its parameters' gradients (None: not counted)
+        # per layer: the part of its output that is its input passed on, one micro-batch
+        self.layer_passthrough = layer_passthrough
+        # per layer: the part of its output it saved for its own backward, one micro-batch
+        self.layer_saved_outputs = layer_saved_outputs
         self.simulate_kwargs = simulate_kwargs
 
     def _runs(self, s: int, keep: set[int]) -> list[list[int]]:
@@ -581,7 +593,9 @@ class _Selective:
         that is kept: keeping all is ``"never"``'s size, keeping none ``"always"``'s). Where
         the layers' own saved bytes are known (costs counted on meta), a run of kept layers
         holds its whole input too, not only what its first layer saves of it (a cell that
-        reads the two previous outputs saves neither whole)."""
+        reads the two previous outputs saves neither whole). A run's input is the previous
+        layer's output: what of it that layer saved (a kept layer) or passed on from its own
+        input (counted whole where the previous run is that one layer) is counted once."""
         a, b = self.stages[s]
         output = self.outputs_kept[s] if b - 1 in keep else 0.0  # a kept last run's outputs
         if self.layer_own is None:
@@ -589,8 +603,16 @@ class _Selective:
                     + sum(self.layer_inputs[run[0]] for run in self._runs(s, keep)
                           if run[0] not in keep)) + output
         total = output
+        previous: list[int] = []
         for run in self._runs(s, keep):
             total += self.layer_inputs[run[0]]
+            shared = 0.0  # of this input, what the previous run holds already
+            if previous and previous[-1] in keep and self.layer_saved_outputs is not None:
+                shared = self.layer_saved_outputs[previous[-1]]
+            if len(previous) == 1 and self.layer_passthrough is not None:
+                shared = max(shared, self.layer_passthrough[previous[0]])
+            total -= shared
+            previous = run
             if run[0] in keep:  # its layers' activations, its first one's inputs counted above
                 total += sum(self.layer_bytes[i] for i in run) - (
                     self.layer_bytes[run[0]] - self.layer_own[run[0]])
