@@ -101,7 +101,8 @@ PROFILED = ("gpipe", "zb_h1")  # a fused backward's B, and a split one's I and W
 def layer_profiles(config: Namespace) -> list[gp.StageProfile]:
     """Each layer's seconds for the workload of bench_pipeline's ``config``, timed here at M
     with one thread as a rank has (``gp.profile_stages`` with one stage per layer, a fused and
-    a split schedule: B, and I and W as they measure): what the apps plan with."""
+    a split schedule: B, and I and W as they measure): what the apps plan with. ``main``
+    holds freed memory first, as the ranks do (``gp.hold_freed_memory``)."""
     work = workload(config)
     model = work.build()
     threads = torch.get_num_threads()
@@ -263,6 +264,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.launches < 1 or args.steps < 1:
         parser.error(f"--launches {args.launches} and --steps {args.steps} must be at least 1")
+    # the profiles as the ranks run (bench_pipeline's: freed memory kept mapped), as an app's
+    # rank 0 measures them
+    gp.hold_freed_memory()
     load_before = os.getloadavg()
     rows, raw = [], {}
     with tempfile.TemporaryDirectory(prefix="efficiency_bound_") as scratch:
