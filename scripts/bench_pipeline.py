@@ -188,8 +188,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
         balances: dict[tuple[str, str], list[int]] = {}
         for schedule, fn in plain_steps(plain_model, x, y, m, rank, work.loss_fn).items():
             configs[("plain", schedule)] = fn
-        for impl, schedule in ([("gpipe_core", s) for s in OURS]
-                               + [("torch.pipelining", s) for s in THEIRS]):
+        counterparts = {TORCH_COUNTERPART[s] for s in args.schedules}
+        for impl, schedule in ([("gpipe_core", s) for s in OURS if s in args.schedules]
+                               + [("torch.pipelining", s) for s in THEIRS if s in counterparts]):
             model = work.build()
             balance = list(args.balance_of.get(schedule, equal_balance(len(model), schedule)))
             if len(model) < len(balance):  # a stage without layers: nothing to compare
@@ -375,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--balance-of", action="append", default=[], metavar="SCHEDULE=N,N,..",
                         help="one schedule's layers per stage (both libraries' schedule of that "
                              "name); repeatable; before --balance")
+    parser.add_argument("--schedules", nargs="+", choices=OURS, default=list(OURS),
+                        help="our schedules to run, each with its torch counterpart (default "
+                             "all): fewer pipelines held in each rank's process")
     parser.add_argument("--checkpoint", default="never",
                         help="gpipe_core re-materialization (torch.pipelining has none)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",

@@ -119,3 +119,25 @@ def test_a_balance_that_does_not_cover_the_model_is_refused(tmp_path: Path) -> N
     )
     assert result.returncode == 2
     assert "--balance-of 'zb_v=1,3': give SCHEDULE=N,N,..." in result.stderr
+
+
+@pytest.mark.distributed
+def test_bench_pipeline_runs_the_chosen_schedules_and_their_counterparts(tmp_path: Path) -> None:
+    """``--schedules``: only these of ours, each with its torch counterpart (1F1B with slack is
+    compared with torch's 1F1B), so each rank's process holds fewer pipelines."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "4",
+         "--width", "16", "--batch", "8", "--seq", "2", "--microbatches", "2", "--steps", "2",
+         "--warmup", "1", "--schedules", "gpipe", "1f1b_slack1", "--out", str(tmp_path / "b"),
+         "--json", str(tmp_path / "published.json")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "published.json").read_text())
+    done = {(r["impl"], r["schedule"]) for r in report["rows"]}
+    assert done == {("plain", "whole"), ("plain", "chunked"), ("gpipe_core", "gpipe"),
+                    ("gpipe_core", "1f1b_slack1"), ("torch.pipelining", "gpipe"),
+                    ("torch.pipelining", "1f1b")}
+    wins = next(line for line in result.stdout.splitlines()
+                if "rounds in which gpipe_core was faster" in line)
+    assert ": gpipe " in wins and ", 1f1b_slack1 " in wins
