@@ -477,8 +477,8 @@ def _plans_for(
                  posted_receives=grads is not None, message_cpu=copies), layer_remat,
             gradient_bytes,
             outputs_kept, None if passthrough is None else [p / m for p in passthrough],
-            None if output_unsaved is None else [
-                (o - u) / m for o, u in zip(boundary_bytes or [], output_unsaved, strict=True)])
+            None if output_unsaved is None or boundary_bytes is None else [
+                (o - u) / m for o, u in zip(boundary_bytes, output_unsaved, strict=True)])
         for checkpoint in checkpoints:
             if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
                 if isinstance(checkpoint, Remat):

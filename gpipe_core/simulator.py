@@ -170,22 +170,8 @@ def simulate(
         if values is not None and len(values) != k:
             raise ValueError(f"{name} has {len(values)} sizes for {k} stages; give one per stage")
     costs = {"F": list(forward_costs), **_backward_costs(backward, backward_input, backward_weight)}
-    if isinstance(transfer, (int, float)):
-        links = [float(transfer)] * max(k - 1, 0)
-    else:
-        links = [float(t) for t in transfer]
-        if len(links) != k - 1:
-            raise ValueError(f"transfer has {len(links)} values for {k - 1} boundaries between "
-                             f"{k} stages; give one per boundary or a single number")
-    links = [0.0 if placement[s] == placement[s + 1] else t for s, t in enumerate(links)]
-    if isinstance(message_cpu, (int, float)):
-        copies = [float(message_cpu)] * max(k - 1, 0)
-    else:
-        copies = [float(c) for c in message_cpu]
-        if len(copies) != k - 1:
-            raise ValueError(f"message_cpu has {len(copies)} values for {k - 1} boundaries "
-                             f"between {k} stages; give one per boundary or a single number")
-    copies = [0.0 if placement[s] == placement[s + 1] else c for s, c in enumerate(copies)]
+    links = _per_boundary("transfer", transfer, placement)
+    copies = _per_boundary("message_cpu", message_cpu, placement)
     # each action's share of its messages: F receives from s-1 and sends to s+1; B (or I)
     # receives from s+1 and sends to s-1; W sends nothing
     messages = [(copies[s - 1] if s > 0 else 0.0) + (copies[s] if s + 1 < k else 0.0)
@@ -252,6 +238,21 @@ def simulate(
     busy = sum(e.end - e.start for e in events)
     bubble = 1.0 - busy / (step_time * ranks) if step_time > 0 else 0.0
     return Simulation(step_time, bubble, events, peak_inflight, [mem.peak for mem in memory])
+
+
+def _per_boundary(name: str, value: float | Sequence[float], placement: Sequence[int]
+                  ) -> list[float]:
+    """One value per boundary ``s -> s+1`` from one number or one per boundary; 0 where both
+    stages run on the same rank (nothing leaves the process)."""
+    k = len(placement)
+    if isinstance(value, (int, float)):
+        values = [float(value)] * max(k - 1, 0)
+    else:
+        values = [float(v) for v in value]
+        if len(values) != k - 1:
+            raise ValueError(f"{name} has {len(values)} values for {k - 1} boundaries between "
+                             f"{k} stages; give one per boundary or a single number")
+    return [0.0 if placement[s] == placement[s + 1] else v for s, v in enumerate(values)]
 
 
 def _ready_time(

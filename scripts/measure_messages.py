@@ -144,6 +144,10 @@ def measure(sizes_kib: list[int], messages: int, rounds: int, quick: bool) -> di
             "samples": per_rank})
     overhead, per_byte = fit_line([(r["bytes"], r["end_cpu_s"]) for r in rows])
     latency, link_per_byte = fit_line([(r["bytes"], r["ping_pong_one_way_s"]) for r in rows])
+    if per_byte <= 0 or link_per_byte <= 0:
+        raise RuntimeError(f"a larger message measured no more time than a smaller one (seconds "
+                           f"per byte: CPU {per_byte:.3g}, one way {link_per_byte:.3g}); the "
+                           "host was too noisy: run again with more --rounds")
     return {
         "command": "python scripts/measure_messages.py" + (" --quick" if quick else ""),
         "transport": "gloo over 127.0.0.1, gpipe_core.channel.Channel with gloo's policy; "

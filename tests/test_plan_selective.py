@@ -182,12 +182,28 @@ def _six_layer_stage() -> tuple[nn.Sequential, torch.Tensor, gp.LayerCosts, Any]
 
 
 def _stage_keeping(model: nn.Sequential, kept: tuple[int, ...]) -> Any:
-    """The six layers as a middle stage that keeps the activations of layers ``kept``."""
+    """``model``'s layers as a middle stage that keeps the activations of layers ``kept``."""
     from gpipe_core.stage import Stage
 
     return Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
                  first_layer_index=0, device=torch.device("cpu"),
                  checkpoint=gp.Remat([set(), kept, set()]), seed=0)
+
+
+def _held_between_forward_and_backward(model: nn.Sequential, x: torch.Tensor,
+                                       kept: tuple[int, ...]) -> int:
+    """Live tensor bytes a stage of ``model`` keeping ``kept`` holds after one micro-batch's
+    forward (its input included; its output dropped)."""
+    from scripts.harness import LiveTensorBytes
+
+    stage = _stage_keeping(model, kept)
+    stage.begin_step(0, 1)
+    with LiveTensorBytes([x, *model.parameters()]) as live:
+        out = stage.forward(0, 0, x.clone().requires_grad_())
+        del out
+        held = live.current
+    stage.discard(0)
+    return held
 
 
 def test_the_memory_model_is_what_a_stage_holds() -> None:
@@ -196,18 +212,10 @@ def test_the_memory_model_is_what_a_stage_holds() -> None:
     model from :func:`gp.layer_costs`, plus the stage's output when its last layer is kept (a
     kept run holds its outputs as its backward's roots; the model, like ``"never"``'s, leaves
     out an output its layer does not save)."""
-    from scripts.harness import LiveTensorBytes
-
     model, x, costs, model_of = _six_layer_stage()
     for count in range(7):
         for kept in itertools.combinations(range(6), count):
-            stage = _stage_keeping(model, kept)
-            stage.begin_step(0, 1)
-            with LiveTensorBytes([x, *model.parameters()]) as live:
-                out = stage.forward(0, 0, x.clone().requires_grad_())
-                del out
-                held = live.current
-            stage.discard(0)
+            held = _held_between_forward_and_backward(model, x, kept)
             output = costs.output_bytes[5] if 5 in kept else 0.0
             assert held == model_of.kept_bytes(0, set(kept)) + output, kept
 
@@ -304,8 +312,6 @@ def test_a_recomputed_runs_input_held_by_the_layer_before_counts_once() -> None:
     for 3 when both were counted twice); the rest is a cell saving an output from two layers
     back, which the per-layer count charges again."""
     from gpipe_core.planner import _Selective
-    from gpipe_core.stage import Stage
-    from scripts.harness import LiveTensorBytes
 
     torch.manual_seed(0)
     model = nn.Sequential(_Head(), _Cell(), _Cell(), _Cell(), _Cell(), _Tail())
@@ -328,18 +334,11 @@ def test_a_recomputed_runs_input_held_by_the_layer_before_counts_once() -> None:
     exact = {True: 0, False: 0}
     for count in range(7):
         for kept in itertools.combinations(range(6), count):
-            stage = Stage(list(model._modules.items()), stage_index=1, num_stages=3,  # type: ignore[arg-type]
-                          first_layer_index=0, device=torch.device("cpu"),
-                          checkpoint=gp.Remat([set(), kept, set()]), seed=0)
-            stage.begin_step(0, 1)
-            with LiveTensorBytes([x, *model.parameters()]) as live:
-                out = stage.forward(0, 0, x.clone().requires_grad_())
-                del out
-                held = live.current
-            stage.discard(0)
+            held = _held_between_forward_and_backward(model, x, kept)
             output = costs.output_bytes[5] if 5 in kept else 0.0
-            for dedup in (True, False):
-                predicted = model_of(dedup).kept_bytes(0, set(kept)) + output
-                assert predicted >= held, (kept, dedup)
-                exact[dedup] += predicted == held
-    assert exact == {True: 26, False: 3}
+            once, twice = (model_of(dedup).kept_bytes(0, set(kept)) + output
+                           for dedup in (True, False))
+            assert held <= once <= twice, kept  # never under, never above the double count
+            exact[True] += once == held
+            exact[False] += twice == held
+    assert exact[True] > 8 * exact[False] > 0
