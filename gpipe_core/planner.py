@@ -5,8 +5,10 @@ From per-layer costs measured on the whole mini-batch (forward and backward seco
 for backward, input bytes, parameter bytes), :func:`plan` tries every K up to the devices
 available, every M that divides the batch into micro-batches of at least ``min_microbatch``
 samples, every checkpoint mode and every schedule asked for (with virtual stages: V stages per
-device for interleaved 1F1B, 2 for ZB-V); balances layers optimally over the stages; predicts
-the step with
+device for interleaved 1F1B, 2 for ZB-V); balances layers optimally over the stages (and,
+where a device holds several stages, also tries the balance whose simulated step is fastest:
+a V's first and last stage share a rank, so stages balanced one by one can leave the ranks
+unequal); predicts the step with
 :func:`~gpipe_core.simulator.simulate`; and returns the fastest plan whose predicted peak memory
 per device fits the budget. Per-micro-batch costs are modelled as the whole-batch cost divided
 by M plus a fixed per-action overhead, which is what small micro-batches cost on real hardware,
@@ -41,6 +43,7 @@ choice of its own kept layers with the others' fixed. A :class:`~gpipe_core.rema
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -167,7 +170,11 @@ def plan(
     plan's ``checkpoint`` is then that choice as text, which ``checkpoint=`` takes), or a
     :class:`~gpipe_core.remat.Remat` to evaluate as given. ``balance``: a fixed split (layers per stage, e.g. one
     already running) instead of the balanced one; only layouts with ``len(balance)`` stages
-    are planned.
+    are planned. Without it, each layout's stages are balanced by their summed forward and
+    backward; where a device holds several stages (interleaved, V), the balance whose
+    simulated step is fastest at each M is planned beside it (every balance where there are
+    at most 128, else a search moving one boundary at a time), so that a budget the ranks'
+    balance exceeds still finds the other.
     """
     if schedule == "all":
         names = [name for name in SCHEDULE_NAMES if name not in ("fill_drain", "one_f_one_b",
@@ -392,27 +399,22 @@ def _plans_for(
     layer did not save it already. ``saved_fixed`` (per layer): the part of the saved bytes
     that every micro-batch keeps whole, whatever its size (per-channel statistics)."""
     num_stages = k * v
-    if balance is None:
-        balance = optimal_balance([f + b for f, b in zip(forward, backward, strict=True)],
-                                  num_stages)
-    balance = list(balance)
-    bounds = [sum(balance[:i]) for i in range(num_stages + 1)]
-    stages = list(zip(bounds[:-1], bounds[1:], strict=True))
 
     def per_stage(values: Sequence[float], a: int, b: int) -> float:
         return float(sum(values[a:b]))
 
-    plans = []
-    smallest = float("inf")
-    def share(part: Sequence[float] | None, bwd: Sequence[float]) -> list[float] | None:
-        """A half of each stage's backward when split: its whole-batch share of the stage."""
-        if part is None:
-            return None
-        return [cost * (per_stage(part, a, b) / per_stage(backward, a, b)
-                        if per_stage(backward, a, b) > 0 else 0.5)
-                for cost, (a, b) in zip(bwd, stages, strict=True)]
+    def seconds(stages: Sequence[tuple[int, int]], m: int) -> _StageSeconds:
+        """Each stage's seconds per micro-batch of ``m`` (forward, backward and its halves
+        where split, a re-materialized forward's parts), each boundary's transfer and each
+        message end's compute."""
+        def share(part: Sequence[float] | None, bwd: Sequence[float]) -> list[float] | None:
+            """A half of each stage's backward when split: its whole-batch share of it."""
+            if part is None:
+                return None
+            return [cost * (per_stage(part, a, b) / per_stage(backward, a, b)
+                            if per_stage(backward, a, b) > 0 else 0.5)
+                    for cost, (a, b) in zip(bwd, stages, strict=True)]
 
-    for m in divisors:
         if m in microbatch_costs:
             f_m, b_m, *halves = microbatch_costs[m]
             fwd = [per_stage(f_m, a, b) for a, b in stages]
@@ -426,22 +428,6 @@ def _plans_for(
             fwd = [per_stage(forward, a, b) / m + per_action_overhead for a, b in stages]
             bwd = [per_stage(backward, a, b) / m + per_action_overhead for a, b in stages]
             inp, wgt = share(backward_input, bwd), share(backward_weight, bwd)
-        # the output a stage keeps to run its backward from, where not saved (not the last's:
-        # it keeps the loss)
-        outputs_kept = [0.0 if output_unsaved is None or b == len(forward)
-                        else output_unsaved[b - 1] / m for _, b in stages]
-        fixed = [0.0] * len(forward) if saved_fixed is None else list(saved_fixed)
-        acts = [(stage_kept(a, b) if stage_kept is not None
-                 else per_stage(activation_bytes, a, b)) / m + held_out
-                + per_stage(fixed, a, b) * (1 - 1 / m)
-                for (a, b), held_out in zip(stages, outputs_kept, strict=True)]
-        inputs = [input_bytes[a] / m for a, _ in stages]
-        # the messages a rank holds once sent (counted where the sizes come from costs)
-        outputs = (None if boundary_bytes is None
-                   else [boundary_bytes[b - 1] / m for _, b in stages])
-        params = [per_stage(param_bytes, a, b) for a, b in stages]
-        grads = (None if gradient_bytes is None
-                 else [per_stage(gradient_bytes, a, b) for a, b in stages])
         links: float | list[float] = transfer
         copies: float | list[float] = 0.0  # each end's compute per message (a CPU transport)
         if boundary_bytes is not None and device is not None:
@@ -449,79 +435,194 @@ def _plans_for(
                      for _, b in stages[:-1]]
             copies = [device.message_cpu_seconds(boundary_bytes[b - 1] / m)
                       for _, b in stages[:-1]]
-        try:
-            actions = get_schedule(name, num_stages, m, num_ranks=k)
-        except ValueError:  # this M does not suit the schedule (DualPipeV: M < 2K)
-            continue
-        on_rank = [actions.stages_on(r) for r in range(k)]
-        held = [sum(params[s] for s in mine) for mine in on_rank]
-        # the gradients a rank makes during its step: counted by the simulation, as made
-        rank_grads = [0.0 if grads is None else sum(grads[s] for s in mine) for mine in on_rank]
-        layer_forward = (list(microbatch_costs[m][0]) if m in microbatch_costs
-                         else [f / m for f in forward])
-        # a re-materialized micro-batch's first forward (without autograd) and the rerun its
-        # backward adds: as measured where a profile of this M measured them, else each the
-        # forward with autograd
         layer_remat = (microbatch_remat or {}).get(m)
-        selective = _Selective(  # held throughout: the parameters less the step's gradients
-            stages, actions, on_rank, [h - g for h, g in zip(held, rank_grads, strict=True)],
-            layer_forward,
-            _per_microbatch(activation_bytes, fixed, m), [i / m for i in input_bytes],
-            [0.0] * len(forward) if backward_bytes is None or backward_fixed is None else [
-                b / m + fixed for b, fixed in zip(backward_bytes, backward_fixed, strict=True)],
-            [0.0] * len(forward) if boundary_bytes is None else [o / m for o in boundary_bytes],
-            None if own_saved is None else _per_microbatch(own_saved, fixed, m),
-            dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
-                 transfer=links, activation_bytes=acts, input_bytes=inputs,
-                 output_bytes=outputs, gradient_bytes=grads,
-                 posted_receives=grads is not None, message_cpu=copies), layer_remat,
-            gradient_bytes,
-            outputs_kept, None if passthrough is None else [p / m for p in passthrough],
-            None if output_unsaved is None or boundary_bytes is None else [
-                (o - u) / m for o, u in zip(boundary_bytes, output_unsaved, strict=True)])
-        for checkpoint in checkpoints:
-            if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
-                if isinstance(checkpoint, Remat):
-                    keep = [{a + i for i in layers} for layers, (a, _) in
-                            zip(checkpoint.keep, stages, strict=True)]
-                else:
-                    keep = selective.choose(memory_budget)
-                sim, kept = selective.evaluate(keep)
-                kept = [x - g for x, g in zip(kept, rank_grads, strict=True)]
-                peak = max(h + x for h, x in zip(held, kept, strict=True))
+        return _StageSeconds(
+            fwd, bwd, inp, wgt, links, copies,
+            None if layer_remat is None else [per_stage(layer_remat[0], a, b)
+                                              for a, b in stages],
+            None if layer_remat is None else [per_stage(layer_remat[1], a, b)
+                                              for a, b in stages])
+
+    if balance is not None:
+        balances = [list(balance)]
+    else:
+        balances = [list(optimal_balance([f + b for f, b in zip(forward, backward, strict=True)],
+                                         num_stages))]
+        if v > 1:  # stages share a rank: a balance of the stages need not balance the ranks
+            modes = sorted({c if c in CHECKPOINTS else mode for c in checkpoints
+                            if not isinstance(c, Remat) for mode in ("never", "always")})
+            for m in divisors:
+                try:
+                    actions = get_schedule(name, num_stages, m, num_ranks=k)
+                except ValueError:
+                    continue
+                for mode in modes:
+                    def step_time(candidate: Sequence[int], m: int = m,
+                                  actions: Schedule = actions, mode: str = mode) -> float:
+                        return seconds(_stages_of(candidate), m).simulate(actions, mode)
+                    found = _fastest_balance(balances[0], step_time)
+                    if found not in balances:
+                        balances.append(found)
+
+    plans = []
+    smallest = float("inf")
+    for balance in balances:
+        stages = _stages_of(balance)
+        for m in divisors:
+            timing = seconds(stages, m)
+            fwd, bwd, inp, wgt = timing.forward, timing.backward, timing.inp, timing.wgt
+            links, copies = timing.links, timing.copies
+            outputs_kept = [0.0 if output_unsaved is None or b == len(forward)
+                            else output_unsaved[b - 1] / m for _, b in stages]
+            fixed = [0.0] * len(forward) if saved_fixed is None else list(saved_fixed)
+            acts = [(stage_kept(a, b) if stage_kept is not None
+                     else per_stage(activation_bytes, a, b)) / m + held_out
+                    + per_stage(fixed, a, b) * (1 - 1 / m)
+                    for (a, b), held_out in zip(stages, outputs_kept, strict=True)]
+            inputs = [input_bytes[a] / m for a, _ in stages]
+            # the messages a rank holds once sent (counted where the sizes come from costs)
+            outputs = (None if boundary_bytes is None
+                       else [boundary_bytes[b - 1] / m for _, b in stages])
+            params = [per_stage(param_bytes, a, b) for a, b in stages]
+            grads = (None if gradient_bytes is None
+                     else [per_stage(gradient_bytes, a, b) for a, b in stages])
+            try:
+                actions = get_schedule(name, num_stages, m, num_ranks=k)
+            except ValueError:  # this M does not suit the schedule (DualPipeV: M < 2K)
+                continue
+            on_rank = [actions.stages_on(r) for r in range(k)]
+            held = [sum(params[s] for s in mine) for mine in on_rank]
+            # the gradients a rank makes during its step: counted by the simulation, as made
+            rank_grads = [0.0 if grads is None else sum(grads[s] for s in mine) for mine in on_rank]
+            layer_forward = (list(microbatch_costs[m][0]) if m in microbatch_costs
+                             else [f / m for f in forward])
+            # a re-materialized micro-batch's first forward (without autograd) and the rerun its
+            # backward adds: as measured where a profile of this M measured them, else each the
+            # forward with autograd
+            layer_remat = (microbatch_remat or {}).get(m)
+            selective = _Selective(  # held throughout: the parameters less the step's gradients
+                stages, actions, on_rank, [h - g for h, g in zip(held, rank_grads, strict=True)],
+                layer_forward,
+                _per_microbatch(activation_bytes, fixed, m), [i / m for i in input_bytes],
+                [0.0] * len(forward) if backward_bytes is None or backward_fixed is None else [
+                    b / m + fixed for b, fixed in zip(backward_bytes, backward_fixed, strict=True)],
+                [0.0] * len(forward) if boundary_bytes is None else [o / m for o in boundary_bytes],
+                None if own_saved is None else _per_microbatch(own_saved, fixed, m),
+                dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
+                     transfer=links, activation_bytes=acts, input_bytes=inputs,
+                     output_bytes=outputs, gradient_bytes=grads,
+                     posted_receives=grads is not None, message_cpu=copies), layer_remat,
+                gradient_bytes,
+                outputs_kept, None if passthrough is None else [p / m for p in passthrough],
+                None if output_unsaved is None or boundary_bytes is None else [
+                    (o - u) / m for o, u in zip(boundary_bytes, output_unsaved, strict=True)])
+            for checkpoint in checkpoints:
+                if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
+                    if isinstance(checkpoint, Remat):
+                        keep = [{a + i for i in layers} for layers, (a, _) in
+                                zip(checkpoint.keep, stages, strict=True)]
+                    else:
+                        keep = selective.choose(memory_budget)
+                    sim, kept = selective.evaluate(keep)
+                    kept = [x - g for x, g in zip(kept, rank_grads, strict=True)]
+                    peak = max(h + x for h, x in zip(held, kept, strict=True))
+                    smallest = min(smallest, peak)
+                    if peak <= memory_budget:
+                        choice = Remat([{i - a for i in layers} for layers, (a, _) in
+                                        zip(keep, stages, strict=True)])
+                        plans.append(Plan(num_stages, m, str(choice), balance, sim.step_time,
+                                          sim.bubble_fraction, peak, name, k, held, kept))
+                    continue
+                # During a backward: one micro-batch's rebuilt activations if re-materialized (a
+                # split backward's I keeps them until W; the simulation counts that), and the
+                # backward's own gradients and temporaries.
+                every = [set(range(a, b)) if checkpoint == "never" else set() for a, b in stages]
+                working = [selective.working(s, every[s]) for s in range(len(stages))]
+                first_working = (None if grads is None else
+                                 [selective.working(s, every[s], first=True)
+                                  for s in range(len(stages))])
+                sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
+                               transfer=links, checkpoint=checkpoint,
+                               forward_no_grad=timing.forward_no_grad,
+                               recompute=timing.recompute,
+                               activation_bytes=acts,
+                               input_bytes=inputs, output_bytes=outputs, gradient_bytes=grads,
+                               backward_working_bytes=working,
+                               first_backward_working_bytes=first_working,
+                               posted_receives=grads is not None, message_cpu=copies)
+                kept = [x - g for x, g in zip(sim.peak_bytes, rank_grads, strict=True)]
+                peak = max(h + a for h, a in zip(held, kept, strict=True))
                 smallest = min(smallest, peak)
                 if peak <= memory_budget:
-                    choice = Remat([{i - a for i in layers} for layers, (a, _) in
-                                    zip(keep, stages, strict=True)])
-                    plans.append(Plan(num_stages, m, str(choice), balance, sim.step_time,
+                    plans.append(Plan(num_stages, m, checkpoint, balance, sim.step_time,
                                       sim.bubble_fraction, peak, name, k, held, kept))
-                continue
-            # During a backward: one micro-batch's rebuilt activations if re-materialized (a
-            # split backward's I keeps them until W; the simulation counts that), and the
-            # backward's own gradients and temporaries.
-            every = [set(range(a, b)) if checkpoint == "never" else set() for a, b in stages]
-            working = [selective.working(s, every[s]) for s in range(len(stages))]
-            first_working = (None if grads is None else
-                             [selective.working(s, every[s], first=True)
-                              for s in range(len(stages))])
-            sim = simulate(actions, fwd, bwd, backward_input=inp, backward_weight=wgt,
-                           transfer=links, checkpoint=checkpoint,
-                           forward_no_grad=None if layer_remat is None else [
-                               per_stage(layer_remat[0], a, b) for a, b in stages],
-                           recompute=None if layer_remat is None else [
-                               per_stage(layer_remat[1], a, b) for a, b in stages],
-                           activation_bytes=acts,
-                           input_bytes=inputs, output_bytes=outputs, gradient_bytes=grads,
-                           backward_working_bytes=working,
-                           first_backward_working_bytes=first_working,
-                           posted_receives=grads is not None, message_cpu=copies)
-            kept = [x - g for x, g in zip(sim.peak_bytes, rank_grads, strict=True)]
-            peak = max(h + a for h, a in zip(held, kept, strict=True))
-            smallest = min(smallest, peak)
-            if peak <= memory_budget:
-                plans.append(Plan(num_stages, m, checkpoint, balance, sim.step_time,
-                                  sim.bubble_fraction, peak, name, k, held, kept))
     return plans, smallest
+
+
+@dataclass(frozen=True)
+class _StageSeconds:
+    """One balance's costs at one M: per stage, seconds per micro-batch of the forward, the
+    backward and its halves where split (``inp``: I, ``wgt``: W), a re-materialized forward
+    without autograd and its rerun; per boundary, the transfer and each message end's
+    compute."""
+
+    forward: list[float]
+    backward: list[float]
+    inp: list[float] | None
+    wgt: list[float] | None
+    links: float | list[float]
+    copies: float | list[float]
+    forward_no_grad: list[float] | None
+    recompute: list[float] | None
+
+    def simulate(self, actions: Schedule, checkpoint: str) -> float:
+        """The simulated step time of ``actions`` at these costs (time only)."""
+        return simulate(actions, self.forward, self.backward, backward_input=self.inp,
+                        backward_weight=self.wgt, transfer=self.links, checkpoint=checkpoint,
+                        forward_no_grad=self.forward_no_grad, recompute=self.recompute,
+                        message_cpu=self.copies).step_time
+
+
+def _stages_of(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """Each stage's first and past-last layer for layers per stage ``balance``."""
+    bounds = list(itertools.accumulate(balance, initial=0))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+# Every balance is simulated where a layout has at most this many; above it, a local search
+_BALANCE_SEARCH = 128
+
+
+def _fastest_balance(start: Sequence[int], step_time: Callable[[Sequence[int]], float]
+                     ) -> list[int]:
+    """The balance (layers per stage, the same layers and stages as ``start``) of the fastest
+    ``step_time``: every one where there are at most :data:`_BALANCE_SEARCH`; else, from
+    ``start``, the best move of one boundary by one layer while it makes the step faster. The
+    first of equals in that order (``start`` first) wins."""
+    layers, count = sum(start), len(start)
+    best, best_time = list(start), step_time(start)
+    if math.comb(layers - 1, count - 1) <= _BALANCE_SEARCH:
+        for cuts in itertools.combinations(range(1, layers), count - 1):
+            candidate = [b - a for a, b in zip((0, *cuts), (*cuts, layers), strict=True)]
+            seconds = step_time(candidate)
+            if seconds < best_time * (1 - 1e-9):
+                best, best_time = candidate, seconds
+        return best
+    while True:
+        moves = []
+        for i in range(count - 1):
+            for shift in (-1, 1):
+                candidate = list(best)
+                candidate[i] += shift
+                candidate[i + 1] -= shift
+                if min(candidate[i], candidate[i + 1]) >= 1:
+                    moves.append((step_time(candidate), candidate))
+        if not moves:
+            return best
+        seconds, candidate = min(moves, key=lambda move: move[0])
+        if seconds >= best_time * (1 - 1e-9):
+            return best
+        best, best_time = candidate, seconds
 
 
 def _per_microbatch(values: Sequence[float], fixed: Sequence[float], m: int) -> list[float]:

@@ -438,3 +438,59 @@ def test_the_planner_charges_messages_where_stages_meet_across_ranks() -> None:
                  for device in (free, copying)]
         added[schedule] = steps[1] - steps[0]
     assert 0 < added["1f1b"] < added["interleaved_1f1b"]
+
+
+def _v_costs(budget: float = 1e9) -> dict[str, object]:
+    # A light first layer (an embedding), six of one unit and a last of three (a projection
+    # and its loss): balanced per stage, [3, 2, 2, 1] (7.5, 6, 6, 9 units of forward and
+    # backward), a V puts stages 0 and 3 on rank 0, which then has 16.5 units to rank 1's 12;
+    # [2, 3, 2, 1] or [2, 2, 3, 1] give the ranks 13.5 and 15.
+    return dict(forward=[0.5] + [1.0] * 6 + [3.0], backward=[1.0] + [2.0] * 6 + [6.0],
+                activation_bytes=[10.0] * 8, input_bytes=[0.0] * 8, param_bytes=[50.0] * 8,
+                batch_size=8, stages=[2], microbatches=[8], checkpoints=["never"],
+                memory_budget=budget)
+
+
+def _every_balance(schedule: str) -> float:
+    """The fastest step of ``schedule`` over all 35 balances of :func:`_v_costs`."""
+    return min(plan(schedule=schedule,  # type: ignore[arg-type]
+                    balance=[b - a for a, b in zip((0, *cuts), (*cuts, 8), strict=True)],
+                    **_v_costs())[0].step_time
+               for cuts in itertools.combinations(range(1, 8), 3))
+
+
+# interleaved puts stages 0 and 2 on rank 0: 13.5 and 15 units already at [3, 2, 2, 1]
+@pytest.mark.parametrize(("schedule", "gain"), [("dualpipe_v", 0.05), ("zb_v", 0.05),
+                                                ("interleaved_1f1b", 0.0)])
+def test_plan_balances_the_ranks_where_a_rank_holds_several_stages(schedule: str,
+                                                                    gain: float) -> None:
+    kwargs = _v_costs()
+    plans = plan(schedule=schedule, **kwargs)  # type: ignore[arg-type]
+    per_stage = plan(schedule=schedule, balance=[3, 2, 2, 1], **kwargs)[0]  # type: ignore[arg-type]
+    every = _every_balance(schedule)
+    assert plans[0].step_time == pytest.approx(every)  # the best of all 35 balances
+    assert plans[0].step_time <= per_stage.step_time * (1 - gain)
+    # the per-stage balance stays among the plans (it may be the one that fits a budget)
+    assert [3, 2, 2, 1] in [p.balance for p in plans]
+
+
+def test_plan_balance_search_by_moves_reaches_the_ranks_balance(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Above the exhaustive limit the search moves one boundary at a time from the per-stage
+    # balance: one move ([3, 2, 2, 1] -> [2, 3, 2, 1] or [2, 2, 3, 1]) balances the V's ranks
+    # at 13.5 and 15 units, within 1% of the best of all 35 ([1, 4, 1, 2]: the same sums, a
+    # shorter fill).
+    from gpipe_core import planner
+    monkeypatch.setattr(planner, "_BALANCE_SEARCH", 0)
+    moved = plan(schedule="dualpipe_v", **_v_costs())[0]  # type: ignore[arg-type]
+    assert moved.balance in ([2, 3, 2, 1], [2, 2, 3, 1])
+    assert moved.step_time <= 1.01 * _every_balance("dualpipe_v")
+
+
+def test_plan_keeps_the_per_stage_balance_where_the_ranks_balance_does_not_fit() -> None:
+    # the ranks' balance puts 5 layers' parameters (250 bytes) on rank 1 where [3, 2, 2, 1]
+    # puts 4 on each rank (216 bytes at its peak): a budget below 5 layers' keeps only the
+    # per-stage balance
+    fitting = plan(schedule="dualpipe_v", **_v_costs(budget=240.0))  # type: ignore[arg-type]
+    assert {tuple(p.balance) for p in fitting} == {(3, 2, 2, 1)}
+    assert all(p.peak_bytes <= 240.0 for p in fitting)
