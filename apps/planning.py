@@ -327,7 +327,9 @@ def measured_profile(model: AppModel, chunks: int, *, seed: int, device: torch.d
     with and without autograd and its backward with and without the rerun (what
     ``gp.plan(costs, profiles=...)`` takes), each from a replay in which every micro-batch ran
     that way (``never``, then ``always``: ``gp.StageProfile.combined``), as a layer that keeps
-    its activations, or recomputes them, runs in the pipeline."""
+    its activations, or recomputes them, runs in the pipeline. Messages pass unpacked: the
+    plan prices the boundaries it cuts by the device model (``Device.message_cpu_seconds``),
+    where a profile that packs would charge every layer's boundary."""
     if model.example is None:
         raise ValueError(f"{model.describe}: no example inputs to time the model on")
     loss = model.loss
@@ -337,7 +339,7 @@ def measured_profile(model: AppModel, chunks: int, *, seed: int, device: torch.d
     kept, rematerialized = (
         gp.profile_stages(plain, [1] * len(plain), inputs,
                           loss_fn=None if loss is None else lambda out, _: loss(out),
-                          chunks=chunks, checkpoint=mode, rounds=rounds)
+                          chunks=chunks, checkpoint=mode, rounds=rounds, pack_messages=False)
         for mode in ("never", "always"))
     return gp.StageProfile.combined(kept, rematerialized)
 

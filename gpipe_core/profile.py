@@ -119,6 +119,7 @@ def profile_stages(
     ranks: Sequence[int] | None = None,
     transfer: float | Sequence[float] = 0.0,
     num_ranks: int | None = None,
+    pack_messages: bool = True,
 ) -> StageProfile:
     """Time every action of ``schedule`` (a name or a :class:`~gpipe_core.schedule.Schedule`
     for ``len(balance)`` stages and ``chunks`` micro-batches) as each rank runs it, alone.
@@ -130,6 +131,12 @@ def profile_stages(
     to replay (default all, one after the other); stages on other ranks get no costs (NaN).
     ``transfer``: seconds per boundary (one number or one per boundary), recorded for the
     simulation. ``num_ranks``: devices for a schedule given by name with virtual stages.
+    ``pack_messages=False``: every message passes as between two stages of one rank, unpacked,
+    also where the schedule puts the stages on two ranks: per-layer costs for
+    :func:`~gpipe_core.planner.plan` with ``costs`` and a ``device``, which prices each
+    boundary's messages itself (:meth:`~gpipe_core.devices.Device.message_cpu_seconds`) at the
+    boundaries a plan cuts, where a per-layer profile that packs would charge every layer's
+    boundary.
     """
     check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
     if rounds < 1 or warmup < 0:
@@ -170,7 +177,7 @@ def profile_stages(
         p.grad = None
     try:
         activations, gradients = _capture(stages, micro_inputs, micro_targets)
-        transports = _replay_transports(plan, activations, gradients, device)
+        transports = _replay_transports(plan, activations, gradients, device, pack_messages)
         times: list[dict[str, list[float]]] = [{} for _ in range(num_stages)]
         stop = checkpoint_stop(checkpoint, m)
         for round_index in range(warmup + rounds):
@@ -218,11 +225,13 @@ def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
 
 
 def _replay_transports(plan: Schedule, activations: list[dict[int, Any]],
-                       gradients: list[dict[int, Any]], device: torch.device
-                       ) -> list[_ReplayTransport]:
-    """One transport per stage; a boundary between two ranks carries packed messages."""
+                       gradients: list[dict[int, Any]], device: torch.device,
+                       pack: bool = True) -> list[_ReplayTransport]:
+    """One transport per stage; a boundary between two ranks carries packed messages (with
+    ``pack``)."""
     num_stages = len(activations)
-    crossing = [plan.placement[s] != plan.placement[s + 1] for s in range(num_stages - 1)]
+    crossing = [pack and plan.placement[s] != plan.placement[s + 1]
+                for s in range(num_stages - 1)]
     for s in range(num_stages - 1):
         if crossing[s]:
             activations[s + 1] = {mb: _packed(x, device) for mb, x in activations[s + 1].items()}

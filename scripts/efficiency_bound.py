@@ -102,14 +102,17 @@ def layer_profiles(config: Namespace) -> list[gp.StageProfile]:
     """Each layer's seconds for the workload of bench_pipeline's ``config``, timed here at M
     with one thread as a rank has (``gp.profile_stages`` with one stage per layer, a fused and
     a split schedule: B, and I and W as they measure): what the apps plan with. ``main``
-    holds freed memory first, as the ranks do (``gp.hold_freed_memory``)."""
+    holds freed memory first, as the ranks do (``gp.hold_freed_memory``). Messages pass
+    unpacked (``pack_messages=False``): gp.plan prices the boundaries a plan cuts by
+    ``CPU_CORE``, where a profile that packs would charge every layer's."""
     work = workload(config)
     model = work.build()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return [gp.profile_stages(model, [1] * len(model), work.inputs, work.targets,
-                                  loss_fn=work.loss_fn, chunks=M, schedule=schedule, rounds=3)
+                                  loss_fn=work.loss_fn, chunks=M, schedule=schedule, rounds=3,
+                                  pack_messages=False)
                 for schedule in PROFILED]
     finally:
         torch.set_num_threads(threads)

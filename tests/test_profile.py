@@ -196,6 +196,29 @@ def test_virtual_stages_pass_messages_within_a_rank_unpacked() -> None:
     assert gp.simulate(schedule, profile).step_time > SLEEP_F + SLEEP_B
 
 
+def test_a_per_layer_profile_for_the_planner_can_leave_every_message_unpacked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A per-layer profile puts each layer on its own rank, so by default every layer packs its
+    # output and unpacks its input (what a real boundary's ends copy); the planner prices the
+    # boundaries a plan cuts itself, so ``pack_messages=False`` leaves every message as a
+    # stage of the same rank passes it.
+    from gpipe_core import wire
+    packed: list[int] = []
+    pack = wire.pack
+    monkeypatch.setattr(wire, "pack", lambda *a, **k: packed.append(1) or pack(*a, **k))
+    model, x, y = model_and_batch()
+    n, m = len(model), 2
+    kwargs = dict(loss_fn=nn.functional.cross_entropy, chunks=m, rounds=1, warmup=0)
+    gp.profile_stages(model, [1] * n, x, y, **kwargs)  # type: ignore[arg-type]
+    # captured messages packed once, then every replayed send: n - 1 boundaries, both ways
+    assert len(packed) == 2 * (2 * (n - 1) * m)
+    packed.clear()
+    loose = gp.profile_stages(model, [1] * n, x, y, pack_messages=False,
+                              **kwargs)  # type: ignore[arg-type]
+    assert packed == []
+    assert all(0 < c < math.inf for c in loose.forward + loose.backward)
+
+
 def _events(schedule: gp.Schedule, cost: dict[str, float], steps: int, wait: float = 0.5,
             ) -> list[gp.TimelineEvent]:
     """A made-up timeline of ``steps`` steps: every action waits ``wait`` s for its input, then
