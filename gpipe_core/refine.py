@@ -29,7 +29,7 @@ from .costs import LayerCosts
 from .devices import Device
 from .microbatch import flatten
 from .planner import Plan
-from .profile import profile_stages
+from .profile import profile_side_by_side
 from .schedule import get_schedule
 from .simulator import simulate
 
@@ -76,17 +76,22 @@ def refine(
     transfer: float = 0.0,
     top: int = TOP,
     within: float | None = WITHIN,
-    rounds: int = 3,
+    rounds: int = 5,
     warmup: int = 1,
     per_round: bool = False,
+    concurrent: bool = False,
 ) -> list[Plan]:
     """The :func:`shortlist` of ``plans``, each re-priced by replaying its own stages, fastest
     first.
 
     ``module``, ``inputs`` (one mini-batch), ``targets`` and ``loss_fn`` as for
-    :func:`~gpipe_core.profile.profile_stages`, which replays each plan (``rounds`` timed
-    replays after ``warmup``); :func:`~gpipe_core.simulator.simulate` turns the costs into
-    the step time (``per_round``: the round of median step time, as there). Each boundary's
+    :func:`~gpipe_core.profile.profile_stages`; the plans' replays take turns
+    (:func:`~gpipe_core.profile.profile_side_by_side`: ``rounds`` timed rounds after
+    ``warmup``, each replaying every plan once), so that a host whose speed drifts slows them
+    alike (on a shared 2-core host one replay's simulated step moved by up to 30% from one
+    replay to the next); :func:`~gpipe_core.simulator.simulate` turns the costs into the step
+    time (``per_round``: the round of median step time, as there; ``concurrent``: each
+    plan's ranks replayed at once, on threads, as there). Each boundary's
     transfer is ``transfer`` seconds, plus with ``costs`` (counted on ``meta``, as for
     :func:`~gpipe_core.planner.plan`) and ``device`` the device's time for the boundary's
     message. The messages' compute on the ranks is in the replay (packed and unpacked where a
@@ -107,7 +112,7 @@ def refine(
     if costs is not None and len(costs) != layers:
         raise ValueError(f"costs count {len(costs)} layers and the module has {layers}: count "
                          "the module the plans are for")
-    refined = []
+    configurations = []
     for p in candidates:
         if sum(p.balance) != layers:
             raise ValueError(f"the plan's balance {p.balance} covers {sum(p.balance)} layers "
@@ -117,11 +122,15 @@ def refine(
         links = [transfer + (device.transfer_seconds(whole.output_bytes[b - 1] / m)
                              if whole is not None and device is not None else 0.0)
                  for b in bounds]
-        profile = profile_stages(module, p.balance, inputs, targets, loss_fn=loss_fn,
-                                 schedule=p.schedule, chunks=m, checkpoint=p.checkpoint,
-                                 rounds=rounds, warmup=warmup, transfer=links,
-                                 num_ranks=p.num_ranks)
-        actions = get_schedule(p.schedule, p.num_stages, m, num_ranks=p.num_ranks)
+        configurations.append(dict(balance=p.balance, schedule=p.schedule, chunks=m,
+                                   checkpoint=p.checkpoint, transfer=links,
+                                   num_ranks=p.num_ranks))
+    profiles = profile_side_by_side(module, configurations, inputs, targets, loss_fn=loss_fn,
+                                    rounds=rounds, warmup=warmup, concurrent=concurrent)
+    refined = []
+    for p, profile in zip(candidates, profiles, strict=True):
+        actions = get_schedule(p.schedule, p.num_stages, p.num_microbatches,
+                               num_ranks=p.num_ranks)
         sim = simulate(actions, profile, per_round=per_round)
         refined.append(replace(p, step_time=sim.step_time, bubble_fraction=sim.bubble_fraction,
                                refined_from=p.step_time))

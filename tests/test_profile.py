@@ -219,6 +219,79 @@ def test_a_per_layer_profile_for_the_planner_can_leave_every_message_unpacked(
     assert all(0 < c < math.inf for c in loose.forward + loose.backward)
 
 
+def test_ranks_replayed_at_once_overlap_and_each_pays_its_own_work() -> None:
+    # Two Sleep stages on two ranks: replayed at once, each thread sleeps through its own
+    # actions while the other does, so a round takes about one rank's work, not two (the
+    # serial replay's rounds take both); every action still costs at least its sleep.
+    model = nn.Sequential(nn.Linear(8, 8), Sleep(), Sleep(), nn.Linear(8, 3))
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    kwargs = dict(loss_fn=nn.functional.cross_entropy, chunks=2, rounds=2, warmup=0,
+                  schedule="1f1b")
+    walls = {}
+    for concurrent in (False, True):
+        start = time.perf_counter()
+        profile = gp.profile_stages(model, [2, 2], x, y, concurrent=concurrent,
+                                    **kwargs)  # type: ignore[arg-type]
+        walls[concurrent] = time.perf_counter() - start
+        assert all(f >= SLEEP_F for f in profile.forward), profile.forward
+        assert all(b >= SLEEP_B for b in profile.backward), profile.backward
+        assert all(len(profile.samples[s]["F"]) == 2 for s in range(2))
+    # Each timed round sleeps 2 micro-batches x (F + B) per rank: one after the other, twice
+    # that; at once, once. Both runs also capture the step (stage by stage) first.
+    rank_round = 2 * (SLEEP_F + SLEEP_B)
+    assert walls[False] - walls[True] >= 0.5 * 2 * rank_round, walls
+
+
+def test_configurations_profiled_side_by_side_take_turns_in_every_round(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpipe_core import profile as module
+    turns: list[tuple[str, int]] = []
+    run = module._Replay.run
+
+    def recorded(self, step, **kwargs):  # type: ignore[no-untyped-def]
+        turns.append((self.name, step - module._FIRST_STEP))
+        return run(self, step, **kwargs)
+
+    monkeypatch.setattr(module._Replay, "run", recorded)
+    model, x, y = model_and_batch()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    profiles = gp.profile.profile_side_by_side(
+        model, [dict(balance=[3, 3], schedule="1f1b", chunks=2),
+                dict(balance=[1, 2, 2, 1], schedule="interleaved_1f1b", chunks=2, num_ranks=2)],
+        x, y, loss_fn=nn.functional.cross_entropy, rounds=2, warmup=1)
+    # every round replays both, the first one's turn moving by one each round
+    assert turns == [("1f1b", 0), ("interleaved_1f1b", 0), ("interleaved_1f1b", 1), ("1f1b", 1),
+                     ("1f1b", 2), ("interleaved_1f1b", 2)]
+    assert [(p.schedule, p.num_stages, p.rounds) for p in profiles] == [
+        ("1f1b", 2, 2), ("interleaved_1f1b", 4, 2)]
+    assert profiles[0].forward[1] >= SLEEP_F and profiles[1].backward[2] >= SLEEP_B  # the Sleep
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="give a balance and only"):
+        gp.profile.profile_side_by_side(model, [dict(balance=[3, 3], chunk=2)], x, y)
+
+
+class _FailsLater(nn.Module):
+    """An identity whose forward raises from its ``calls``-th call on."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls -= 1
+        if self.calls < 0:
+            raise RuntimeError("layer failed in the replay")
+        return x
+
+
+def test_an_error_in_a_rank_replayed_at_once_is_raised_not_hung() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), Sleep(), _FailsLater(calls=2), nn.Linear(8, 3))
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    with pytest.raises(RuntimeError, match="layer failed in the replay"):  # after the capture
+        gp.profile_stages(model, [2, 2], x, y, loss_fn=nn.functional.cross_entropy, chunks=2,
+                          concurrent=True, rounds=1)
+
+
 def _events(schedule: gp.Schedule, cost: dict[str, float], steps: int, wait: float = 0.5,
             ) -> list[gp.TimelineEvent]:
     """A made-up timeline of ``steps`` steps: every action waits ``wait`` s for its input, then
