@@ -278,14 +278,14 @@ def budget_batch(model: AppModel, chunks: int) -> int:
     return max(chunks, model.batch_size - model.batch_size % chunks)
 
 
-def budget_plans(model: AppModel, *, budget_mb: float, num_stages: int, chunks: int,
-                 schedule: str, balance: Sequence[int] | None = None,
-                 checkpoints: Sequence[str | gp.Remat] = BUDGET_CHECKPOINTS,
-                 costs: gp.LayerCosts | None = None,
-                 profiles: Sequence[gp.StageProfile] | None = None) -> list[gp.Plan]:
-    """The plans at the run's K, M and schedule whose per-rank peak (parameters, gradients,
-    optimizer state, kept activations: gp.plan's count on ``meta``) fits ``budget_mb``,
-    fastest first, choosing the re-materialization (a mode, or kept layers per stage) and,
+def budget_plan(model: AppModel, *, budget_mb: float, num_stages: int, chunks: int,
+                schedule: str, balance: Sequence[int] | None = None,
+                checkpoints: Sequence[str | gp.Remat] = BUDGET_CHECKPOINTS,
+                costs: gp.LayerCosts | None = None,
+                profiles: Sequence[gp.StageProfile] | None = None) -> gp.Plan:
+    """The fastest plan at the run's K, M and schedule whose per-rank peak (parameters,
+    gradients, optimizer state, kept activations: gp.plan's count on ``meta``) fits
+    ``budget_mb``, choosing the re-materialization (a mode, or kept layers per stage) and,
     unless ``balance`` is given, the balance. ConfigError naming the budget, the smallest
     feasible peak and the fix when nothing fits. ``profiles``: per-layer seconds measured
     at ``chunks`` (``gp.profile_stages`` with one stage per layer) instead of ``CPU_CORE``'s
@@ -298,7 +298,7 @@ def budget_plans(model: AppModel, *, budget_mb: float, num_stages: int, chunks: 
                        stages=[num_stages], microbatches=[chunks], schedule=schedule,
                        checkpoints=list(checkpoints), memory_budget=budget_mb * MiB,
                        balance=list(balance) if balance is not None else None,
-                       profiles=profiles)
+                       profiles=profiles)[0]
     except gp.NoPlanFits as error:
         smallest = error.smallest_peak / MiB
         raise ConfigError(
@@ -309,52 +309,19 @@ def budget_plans(model: AppModel, *, budget_mb: float, num_stages: int, chunks: 
         ) from None
 
 
-def budget_plan(model: AppModel, *, budget_mb: float, num_stages: int, chunks: int,
-                schedule: str, balance: Sequence[int] | None = None,
-                checkpoints: Sequence[str | gp.Remat] = BUDGET_CHECKPOINTS,
-                costs: gp.LayerCosts | None = None,
-                profiles: Sequence[gp.StageProfile] | None = None) -> gp.Plan:
-    """The fastest of :func:`budget_plans` (the same arguments)."""
-    return budget_plans(model, budget_mb=budget_mb, num_stages=num_stages, chunks=chunks,
-                        schedule=schedule, balance=balance, checkpoints=checkpoints,
-                        costs=costs, profiles=profiles)[0]
-
-
 def describe_budget_plan(best: gp.Plan, budget_mb: float) -> str:
     """One line for the run's log: the chosen re-materialization and the predicted peaks."""
     peaks = ", ".join(f"{(p + a) / MiB:.1f}" for p, a in
                       zip(best.param_bytes, best.activation_bytes, strict=True))
-    how = ("predicted" if best.refined_from is None else
-           f"predicted by replaying its stages whole (per-layer costs: {best.refined_from:.3f})")
     return (f"memory budget {budget_mb:g} MiB per rank: gp.plan chose checkpoint="
             f"{best.checkpoint} balance={best.balance} ({best.schedule}, M="
             f"{best.num_microbatches}); predicted per-rank peak [{peaks}] MiB (parameters, "
-            f"gradients, optimizer state, kept activations), {best.step_time:.3f} s/step {how}")
-
-
-@dataclass
-class TimedModel:
-    """A plain copy of an app's model on the device that runs it, one mini-batch of real
-    inputs split as the plan splits it, and the loss on its output: what per-layer profiles
-    and :func:`gpipe_core.refine`'s replays time."""
-
-    module: nn.Sequential
-    inputs: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
-
-
-def timed_model(model: AppModel, chunks: int, *, seed: int, device: torch.device) -> TimedModel:
-    """``model`` with ``seed``'s weights on ``device`` and the planned batch of real inputs."""
-    if model.example is None:
-        raise ValueError(f"{model.describe}: no example inputs to time the model on")
-    loss = model.loss
-    plain = gp.materialize(model.build(model.depth), seed=seed, device=device)
-    inputs = map_tensors(model.example(budget_batch(model, chunks)), lambda t: t.to(device))
-    return TimedModel(plain, inputs, None if loss is None else lambda out, _: loss(out))
+            f"gradients, optimizer state, kept activations), {best.step_time:.3f} s/step "
+            f"predicted")
 
 
 def measured_profile(model: AppModel, chunks: int, *, seed: int, device: torch.device,
-                     rounds: int = 5, timed: TimedModel | None = None) -> gp.StageProfile:
+                     rounds: int = 5) -> gp.StageProfile:
     """Each layer's seconds on ``device`` (a plain copy of the model, ``seed``'s weights) at
     ``chunks`` micro-batches of the planned batch, with the loss on the last layer: its forward
     with and without autograd and its backward with and without the rerun (what
@@ -362,13 +329,17 @@ def measured_profile(model: AppModel, chunks: int, *, seed: int, device: torch.d
     that way (``never``, then ``always``: ``gp.StageProfile.combined``), as a layer that keeps
     its activations, or recomputes them, runs in the pipeline. Messages pass unpacked: the
     plan prices the boundaries it cuts by the device model (``Device.message_cpu_seconds``),
-    where a profile that packs would charge every layer's boundary. ``timed``: the copy to
-    time (:func:`timed_model`), else one made here."""
-    timed = timed or timed_model(model, chunks, seed=seed, device=device)
+    where a profile that packs would charge every layer's boundary."""
+    if model.example is None:
+        raise ValueError(f"{model.describe}: no example inputs to time the model on")
+    loss = model.loss
+    plain = gp.materialize(model.build(model.depth), seed=seed, device=device)
+    inputs = map_tensors(model.example(budget_batch(model, chunks)),
+                            lambda t: t.to(device))
     kept, rematerialized = (
-        gp.profile_stages(timed.module, [1] * len(timed.module), timed.inputs,
-                          loss_fn=timed.loss_fn, chunks=chunks, checkpoint=mode, rounds=rounds,
-                          pack_messages=False)
+        gp.profile_stages(plain, [1] * len(plain), inputs,
+                          loss_fn=None if loss is None else lambda out, _: loss(out),
+                          chunks=chunks, checkpoint=mode, rounds=rounds, pack_messages=False)
         for mode in ("never", "always"))
     return gp.StageProfile.combined(kept, rematerialized)
 
@@ -381,42 +352,35 @@ def plan_for_budget(model: AppModel, config: Any, balance: Sequence[int] | None 
     resumed checkpoint's). Run before any process group, so that a budget nothing fits is one
     ``error:`` line (the bytes are counted, whatever prices the time), and again where the
     pipeline is built, there with ``measure_on``: global rank 0 times each layer on that
-    device (``measured_profile``), plans with those seconds and refines the plans near the
-    fastest by replaying their stages whole (``gp.refine``: the choice of re-materialization
-    and balance by what the stages cost as they run, not by summed layers), and every rank
-    gets its plan (timing differs between processes), as the apps' balance is chosen without
-    a budget; where the balance those seconds give fits nothing, the counted plan's balance
-    (so that a budget the first call accepted is never refused here); counted prices
-    (``CPU_CORE``) for a model over ``max_parameters``, too large to time whole."""
+    device (``measured_profile``) and plans with those seconds, and every rank gets its plan
+    (timing differs between processes), as the apps' balance is chosen without a budget;
+    where the balance those seconds give fits nothing, the counted plan's balance (so that a
+    budget the first call accepted is never refused here); counted prices (``CPU_CORE``) for
+    a model over ``max_parameters``, too large to time whole."""
     if not config.memory_budget_mb:
         return None
-    costs = _counted(model, model.depth, torch.float32)
 
     def planned(profiles: list[gp.StageProfile] | None,
-                fixed: Sequence[int] | None = balance) -> list[gp.Plan]:
-        return budget_plans(model, budget_mb=config.memory_budget_mb,
-                            num_stages=config.num_stages, chunks=config.chunks,
-                            schedule=config.schedule, balance=fixed, costs=costs,
-                            profiles=profiles)
+                fixed: Sequence[int] | None = balance) -> gp.Plan:
+        return budget_plan(model, budget_mb=config.memory_budget_mb,
+                           num_stages=config.num_stages, chunks=config.chunks,
+                           schedule=config.schedule, balance=fixed, profiles=profiles)
 
     if measure_on is None or model.example is None:
-        return planned(None)[0]
+        return planned(None)
     params = sum(p.numel() for p in model.build(model.depth).parameters())
     if params > max_parameters:
-        return planned(None)[0]
+        return planned(None)
     result: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            counted = planned(None)[0]  # fits, or the run was refused before any process group
-            timed = timed_model(model, config.chunks, seed=config.seed, device=measure_on)
+            counted = planned(None)  # fits, or the run was refused before any process group
             profiles = [measured_profile(model, config.chunks, seed=config.seed,
-                                         device=measure_on, timed=timed)]
+                                         device=measure_on)]
             try:
-                plans = planned(profiles)
+                result[0] = planned(profiles)
             except ConfigError:  # the measured seconds' balance fits nothing: the counted one
-                plans = planned(profiles, counted.balance)
-            result[0] = gp.refine(plans, timed.module, timed.inputs, loss_fn=timed.loss_fn,
-                                  costs=costs, device=CPU_CORE)[0]
+                result[0] = planned(profiles, counted.balance)
         except ConfigError as error:  # every rank raises it
             result[0] = str(error)
     with gp.collectives("planning the memory budget"):

@@ -16,7 +16,6 @@ from .pipe import GPipe
 from .planner import NoPlanFits, Plan, plan, plan_largest
 from .precision import PRECISIONS, LossScaler
 from .profile import profile_stages, profile_timeline
-from .refine import refine
 from .remat import Remat
 from .schedule import (
     Action,
@@ -68,7 +67,6 @@ __all__ = [
     "StageProfile",
     "plan",
     "plan_largest",
-    "refine",
     "Plan",
     "NoPlanFits",
     "layer_costs",

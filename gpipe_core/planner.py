@@ -94,9 +94,6 @@ class Plan:
     # peak (activations kept for backward, recomputation)
     param_bytes: list[float] = field(default_factory=list)
     activation_bytes: list[float] = field(default_factory=list)
-    # where gp.refine replayed the plan's stages whole (its step_time, bubble_fraction): the
-    # step time the per-layer costs predicted
-    refined_from: float | None = None
 
     def __post_init__(self) -> None:
         if not self.num_ranks:
@@ -109,8 +106,6 @@ class Plan:
             f"{self.schedule} {stages} M={self.num_microbatches} checkpoint={self.checkpoint} "
             f"balance={self.balance}: {self.step_time:.4g} s/step, bubble "
             f"{self.bubble_fraction:.0%}, peak {self.peak_bytes / 2**30:.2f} GiB/device"
-            + ("" if self.refined_from is None else
-               f" (stages replayed whole; per-layer costs predicted {self.refined_from:.4g} s)")
         )
 
 

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +55,7 @@ from .stage import Stage
 from .stage_profile import StageProfile
 from .transport import Grads, Transport
 
-__all__ = ["profile_side_by_side", "profile_stages", "profile_timeline"]
+__all__ = ["profile_stages", "profile_timeline"]
 
 # Steps the replay runs under: far from a training run's, so per-layer seeds never repeat one.
 _FIRST_STEP = 1 << 40
@@ -122,7 +120,6 @@ def profile_stages(
     transfer: float | Sequence[float] = 0.0,
     num_ranks: int | None = None,
     pack_messages: bool = True,
-    concurrent: bool = False,
 ) -> StageProfile:
     """Time every action of ``schedule`` (a name or a :class:`~gpipe_core.schedule.Schedule`
     for ``len(balance)`` stages and ``chunks`` micro-batches) as each rank runs it, alone.
@@ -139,154 +136,63 @@ def profile_stages(
     :func:`~gpipe_core.planner.plan` with ``costs`` and a ``device``, which prices each
     boundary's messages itself (:meth:`~gpipe_core.devices.Device.message_cpu_seconds`) at the
     boundaries a plan cuts, where a per-layer profile that packs would charge every layer's
-    boundary. ``concurrent=True``: the ranks' rows replay at the same time, each on a thread
-    of its own (the compute of one overlaps the others' as the pipeline's processes do, the
-    Python between operators does not), so that each action pays for the cores, caches and
-    memory bandwidth it shares with the other ranks; set ``torch.set_num_threads`` to the
-    threads one rank has. The random streams are shared then (a replay's values do not matter,
-    its times do).
+    boundary.
     """
     check_pipeline_args(chunks=chunks, checkpoint=checkpoint)
-    _check_rounds(rounds, warmup)
-    with _left_as_it_was(module):
-        replay = _Replay(module, balance, inputs, targets, loss_fn=loss_fn, schedule=schedule,
-                         chunks=chunks, checkpoint=checkpoint, ranks=ranks, transfer=transfer,
-                         num_ranks=num_ranks, pack_messages=pack_messages)
-        for round_index in range(warmup + rounds):
-            replay.run(_FIRST_STEP + round_index, timed=round_index >= warmup,
-                       concurrent=concurrent)
-    return replay.profile(rounds)
-
-
-def profile_side_by_side(
-    module: nn.Sequential,
-    configurations: Sequence[Mapping[str, Any]],
-    inputs: Any,
-    targets: Any = None,
-    *,
-    loss_fn: Callable[[Any, Any], Tensor] | None = None,
-    rounds: int = 5,
-    warmup: int = 1,
-    concurrent: bool = False,
-) -> list[StageProfile]:
-    """:func:`profile_stages` of several configurations of one module, their replays taken
-    in turns: each round replays every configuration once (in an order that rotates by one
-    each round), so that a host whose speed drifts over seconds slows them alike and their
-    costs can be compared. ``configurations``: each a mapping of :func:`profile_stages`'s
-    ``balance`` and any of ``schedule``, ``chunks``, ``checkpoint``, ``num_ranks``,
-    ``transfer``, ``ranks``, ``pack_messages``. One profile per configuration, in order."""
-    _check_rounds(rounds, warmup)
-    known = {"balance", "schedule", "chunks", "checkpoint", "num_ranks", "transfer", "ranks",
-             "pack_messages"}
-    for configuration in configurations:
-        unknown = set(configuration) - known
-        if unknown or "balance" not in configuration:
-            raise ValueError(f"configuration {dict(configuration)}: give a balance and only "
-                             f"{sorted(known - {'balance'})} beside it (not {sorted(unknown)})")
-        check_pipeline_args(chunks=configuration.get("chunks", 1),
-                            checkpoint=configuration.get("checkpoint", "never"))
-    with _left_as_it_was(module):
-        replays = [_Replay(module, c["balance"], inputs, targets, loss_fn=loss_fn,
-                           **{k: v for k, v in c.items() if k != "balance"})
-                   for c in configurations]
-        for round_index in range(warmup + rounds):
-            for turn in range(len(replays)):
-                replays[(turn + round_index) % len(replays)].run(
-                    _FIRST_STEP + round_index, timed=round_index >= warmup,
-                    concurrent=concurrent)
-    return [replay.profile(rounds) for replay in replays]
-
-
-class _Replay:
-    """One configuration ready to replay: the module cut into stages by ``balance``, the
-    step's messages captured, one transport per stage; :meth:`run` replays a round and keeps
-    its times."""
-
-    def __init__(self, module: nn.Sequential, balance: Sequence[int], inputs: Any,
-                 targets: Any, *, loss_fn: Callable[[Any, Any], Tensor] | None,
-                 schedule: str | Schedule = "gpipe", chunks: int = 1,
-                 checkpoint: str = "never", ranks: Sequence[int] | None = None,
-                 transfer: float | Sequence[float] = 0.0, num_ranks: int | None = None,
-                 pack_messages: bool = True) -> None:
-        partitions = split_module(module, balance)
-        num_stages = len(partitions)
-        self.inputs = scatter(inputs, chunks)
-        m = len(self.inputs)
-        self.targets = scatter(targets, chunks) if targets is not None else [None] * m
-        if isinstance(schedule, Schedule):
-            plan = schedule
-            if (plan.num_stages, plan.num_microbatches) != (num_stages, m):
-                raise ValueError(
-                    f"the schedule is for {plan.num_stages} stages and {plan.num_microbatches} "
-                    f"micro-batches; the profile has {num_stages} stages (balance="
-                    f"{list(balance)}) and {m} micro-batches (chunks={chunks}, batch of "
-                    f"{_batch_size(inputs)})")
-            self.name = plan.name
-        else:
-            plan = get_schedule(schedule, num_stages, m, num_ranks=num_ranks)
-            self.name = schedule
-        self.plan = plan
-        self.ranks = list(range(plan.num_ranks)) if ranks is None else list(ranks)
-        bad = [r for r in self.ranks if not 0 <= r < plan.num_ranks]
-        if bad:
-            raise ValueError(f"ranks {bad} are not ranks of the schedule "
-                             f"(0..{plan.num_ranks - 1})")
-        self.links = _links(transfer, num_stages)
-        device = _module_device(module)
-        self.stages = []
-        first = 0
-        for index, partition in enumerate(partitions):
-            self.stages.append(Stage(partition, stage_index=index, num_stages=num_stages,
-                                     first_layer_index=first, device=device,
-                                     checkpoint=checkpoint, seed=0,
-                                     loss_fn=loss_fn if index == num_stages - 1 else None))
-            first += len(partition)
-        self.checkpoint = checkpoint
-        activations, self.gradients = _capture(self.stages, self.inputs, self.targets)
-        self.transports = _replay_transports(plan, activations, self.gradients, device,
-                                             pack_messages)
-        self.times: list[dict[str, list[float]]] = [{} for _ in range(num_stages)]
-        self.stop = checkpoint_stop(checkpoint, m)
-
-    def run(self, step: int, *, timed: bool, concurrent: bool) -> None:
-        """Replay every wanted rank's row once (at once, on threads, with ``concurrent``);
-        keep the round's times if ``timed``."""
-        def replay(r: int) -> list[tuple[int, str, int, float]]:
-            return _replay(self.plan, r, self.stages, self.transports, self.gradients[-1],
-                           self.inputs, self.targets, step)
-
-        rows = _at_once(replay, self.ranks) if concurrent else [replay(r) for r in self.ranks]
-        if timed:
-            for events in rows:
-                _add_round(self.times, events, self.stop)
-
-    def profile(self, rounds: int) -> StageProfile:
-        return StageProfile.from_rounds(self.name, len(self.inputs), self.checkpoint,
-                                        self.times, self.links, rounds)
-
-
-def _check_rounds(rounds: int, warmup: int) -> None:
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds={rounds} and warmup={warmup}: give rounds >= 1, warmup >= 0")
-
-
-@contextmanager
-def _left_as_it_was(module: nn.Module) -> Iterator[None]:
-    """The module's gradients set aside (a replay's go to new tensors) and its buffers
-    (BatchNorm's running statistics) kept, both put back on exit."""
-    params = list(module.parameters())
-    grads = [p.grad for p in params]
+    partitions = split_module(module, balance)
+    num_stages = len(partitions)
+    micro_inputs = scatter(inputs, chunks)
+    m = len(micro_inputs)
+    micro_targets = scatter(targets, chunks) if targets is not None else [None] * m
+    if isinstance(schedule, Schedule):
+        plan = schedule
+        if (plan.num_stages, plan.num_microbatches) != (num_stages, m):
+            raise ValueError(
+                f"the schedule is for {plan.num_stages} stages and {plan.num_microbatches} "
+                f"micro-batches; the profile has {num_stages} stages (balance={list(balance)}) "
+                f"and {m} micro-batches (chunks={chunks}, batch of {_batch_size(inputs)})")
+        name = plan.name
+    else:
+        plan = get_schedule(schedule, num_stages, m, num_ranks=num_ranks)
+        name = schedule
+    wanted = list(range(plan.num_ranks)) if ranks is None else list(ranks)
+    bad = [r for r in wanted if not 0 <= r < plan.num_ranks]
+    if bad:
+        raise ValueError(f"ranks {bad} are not ranks of the schedule (0..{plan.num_ranks - 1})")
+    links = _links(transfer, num_stages)
+    device = _module_device(module)
+    stages = []
+    first = 0
+    for index, partition in enumerate(partitions):
+        stages.append(Stage(partition, stage_index=index, num_stages=num_stages,
+                            first_layer_index=first, device=device, checkpoint=checkpoint,
+                            seed=0, loss_fn=loss_fn if index == num_stages - 1 else None))
+        first += len(partition)
+    params = [p for p in module.parameters()]
+    grads = [p.grad for p in params]  # set aside: the replay's gradients go to new tensors
     buffers = [b.detach().clone() for b in module.buffers()]
     for p in params:
         p.grad = None
     try:
-        yield
+        activations, gradients = _capture(stages, micro_inputs, micro_targets)
+        transports = _replay_transports(plan, activations, gradients, device, pack_messages)
+        times: list[dict[str, list[float]]] = [{} for _ in range(num_stages)]
+        stop = checkpoint_stop(checkpoint, m)
+        for round_index in range(warmup + rounds):
+            for r in wanted:
+                events = _replay(plan, r, stages, transports, gradients[-1], micro_inputs,
+                                 micro_targets, _FIRST_STEP + round_index)
+                if round_index >= warmup:
+                    _add_round(times, events, stop)
     finally:
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
             for b, saved in zip(module.buffers(), buffers, strict=True):
                 b.copy_(saved)
+    return StageProfile.from_rounds(name, m, checkpoint, times, links, rounds)
 
 
 def _capture(stages: list[Stage], inputs: list[Any], targets: list[Any]
@@ -421,33 +327,6 @@ def _replay(plan: Schedule, rank: int, stages: list[Stage], transports: list[_Re
     actions = [(Action.parse(e.action), e.end - e.start)
                for runtime in runtimes.values() for e in runtime.timeline]
     return [(a.stage, a.kind, a.mb, seconds) for a, seconds in actions]
-
-
-def _at_once(replay: Callable[[int], list[tuple[int, str, int, float]]], ranks: list[int]
-             ) -> list[list[tuple[int, str, int, float]]]:
-    """``replay(r)`` for every rank of ``ranks``, each on its own thread, started together;
-    their events in the order of ``ranks`` (the first error raised again here)."""
-    results: dict[int, list[tuple[int, str, int, float]]] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(ranks))
-
-    def run(r: int) -> None:
-        try:
-            start.wait()
-            results[r] = replay(r)
-        except BaseException as error:  # noqa: BLE001 (raised again in the caller's thread)
-            errors.append(error)
-            start.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"replay-rank-{r}") for r in ranks]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:  # the error itself, before the barrier it broke for the others
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
-                   errors[0])
-    return [results[r] for r in ranks]
 
 
 def _packed(payload: Any, device: torch.device) -> Tensor:

@@ -15,9 +15,7 @@ are counted over every launch: each round is one step of both); ``gp.plan``'s ch
 predicted fastest of the schedules measured, each with the benchmark's balance, priced as the
 apps price a budget's plan: each layer's seconds timed in this process at M, one thread, with a
 fused and a split backward, the transfers by the CPU-core device model) is within 3% of the
-fastest measured; the choice from the counted costs alone is recorded beside it, and so is
-the choice after ``gp.refine`` (the plans its default shortlist holds, each with its stages
-replayed whole here and simulated; every schedule's refined prediction is recorded). Where a family misses 0.95, its row says where the fastest schedule's time went on
+fastest measured; the choice from the counted costs alone is recorded beside it. Where a family misses 0.95, its row says where the fastest schedule's time went on
 each rank: its compute, the wait inside actions for a neighbour's message, the time outside
 actions (before the first: the fill; between them: the transport's posts and receives, Python;
 after the last: the drain, until the slowest rank ends), and for the
@@ -52,7 +50,6 @@ import torch
 
 import gpipe_core as gp
 from apps.planning import CPU_CORE
-from gpipe_core.refine import shortlist
 from scripts.bench_pipeline import OURS, TORCH_COUNTERPART, parse_args, workload
 from scripts.harness import provenance, write_json
 
@@ -154,31 +151,8 @@ def planned(config: Namespace, balances: dict[str, list[int]],
     return {s: p.step_time for s, p in _plans(config, dict(balances), profiles).items()}
 
 
-def refined(config: Namespace, balances: dict[str, list[int]],
-            profiles: list[gp.StageProfile]) -> tuple[dict[str, float], list[str]]:
-    """``gp.refine``'s step time of each measured schedule at the balance it ran with (its
-    stages replayed whole here, one thread, as a rank runs them), and the schedules its
-    default shortlist (``gp.refine``'s ``top`` and ``within``) would replay: the choice of
-    plan-then-refine is the fastest of those."""
-    work = workload(config)
-    model = work.build()
-    costs = gp.layer_costs(model, work.inputs)
-    plans = _plans(config, dict(balances), profiles)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        every = gp.refine(list(plans.values()), model, work.inputs, work.targets,
-                          loss_fn=work.loss_fn, costs=costs, device=CPU_CORE,
-                          top=len(plans), within=None)
-    finally:
-        torch.set_num_threads(threads)
-    listed = {p.schedule for p in shortlist(list(plans.values()))}
-    return {p.schedule: p.step_time for p in every}, [s for s in plans if s in listed]
-
-
 def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, float],
-              counted: dict[str, float] | None = None,
-              replayed: tuple[dict[str, float], list[str]] | None = None) -> dict[str, Any]:
+              counted: dict[str, float] | None = None) -> dict[str, Any]:
     """The family's row: per schedule the medians over launches; the goals' verdicts."""
     launches = [{(r["impl"], r["schedule"]): r for r in report["rows"] if r["M"] == M}
                 for report in reports]
@@ -234,17 +208,6 @@ def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, f
                         / schedules[fastest]["seconds"] - 1}
     if "plan" in row:
         row["plan_goal_met"] = row["plan"]["choice_over_fastest"] <= GOAL_PLAN
-    if replayed is not None:
-        seconds, listed = replayed
-        listed = [s for s in listed if s in schedules and s in seconds]
-        if listed:
-            choice = min(listed, key=seconds.__getitem__)
-            row["plan_refined"] = {
-                "predicted_seconds": {s: v for s, v in seconds.items() if s in schedules},
-                "shortlist": listed, "choice": choice,
-                "choice_over_fastest": schedules[choice]["seconds"]
-                / schedules[fastest]["seconds"] - 1}
-            row["plan_refined_goal_met"] = row["plan_refined"]["choice_over_fastest"] <= GOAL_PLAN
     return row
 
 
@@ -283,12 +246,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"{p['choice_over_fastest']:+.1%} "
                   f"against the fastest (goal <= {GOAL_PLAN:.0%}: "
                   f"{'met' if row['plan_goal_met'] else 'missed'})")
-        if "plan_refined" in row:
-            p = row["plan_refined"]
-            print(f"  gp.refine (the stages of {', '.join(p['shortlist'])} replayed whole) chose "
-                  f"{p['choice']}: measured {p['choice_over_fastest']:+.1%} against the fastest "
-                  f"(goal <= {GOAL_PLAN:.0%}: "
-                  f"{'met' if row['plan_refined_goal_met'] else 'missed'})")
         if "plan_counted" in row:
             c = row["plan_counted"]
             print(f"  (priced by counted costs alone it would choose {c['choice']}: "
@@ -327,7 +284,7 @@ def main() -> None:
             ran = {r["schedule"]: r["balance"] for r in reports[0]["rows"]
                    if r["impl"] == "gpipe_core" and r["M"] == M}
             rows.append(summarize(family, reports, planned(config, ran, profiles),
-                                  planned(config, ran, None), refined(config, ran, profiles)))
+                                  planned(config, ran, None)))
     print_table(rows)
     write_json(args.json, {"provenance": provenance(load_before), "config": vars(args),
                            "goals": {"bound": GOAL_BOUND, "plan": GOAL_PLAN},

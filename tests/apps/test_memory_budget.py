@@ -9,18 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpipe_core as gp
 from apps.config import ConfigError
-from apps.planning import (
-    CPU_CORE,
-    MiB,
-    _counted,
-    budget_plan,
-    budget_plans,
-    describe_budget_plan,
-    measured_profile,
-    timed_model,
-)
+from apps.planning import MiB, _counted, budget_plan, measured_profile
 
 
 def nmt_tiny():  # type: ignore[no-untyped-def]
@@ -99,31 +89,6 @@ def test_measured_seconds_choose_and_counted_bytes_fit() -> None:
     best = budget_plan(model, budget_mb=budget, num_stages=2, chunks=4, schedule="gpipe",
                        profiles=[profile])
     assert best.peak_bytes / MiB <= budget
-
-
-def test_the_plans_a_budget_allows_are_refined_by_replaying_their_stages() -> None:
-    """What rank 0 of a train run does with a budget: per-layer seconds, the plans that fit,
-    and gp.refine on them; a plan that keeps layers per stage replays as its choice says."""
-    model = nmt_tiny()
-    cpu = torch.device("cpu")
-    timed = timed_model(model, 4, seed=0, device=cpu)
-    profile = measured_profile(model, 4, seed=0, device=cpu, rounds=1, timed=timed)
-    peak = peaks(model, 4)
-    budget = (peak["always"] + peak["never"]) / 2
-    plans = budget_plans(model, budget_mb=budget, num_stages=2, chunks=4, schedule="gpipe",
-                         profiles=[profile])
-    assert plans == sorted(plans, key=lambda p: (p.step_time, p.peak_bytes))
-    selective = next(p for p in plans if p.checkpoint.startswith("keep:"))
-    costs = _counted(model, model.depth, torch.float32)
-    kwargs = dict(loss_fn=timed.loss_fn, costs=costs, device=CPU_CORE, rounds=1)
-    [kept] = gp.refine([selective], timed.module, timed.inputs, **kwargs)  # type: ignore[arg-type]
-    assert kept.checkpoint == selective.checkpoint and kept.balance == selective.balance
-    refined = gp.refine(plans, timed.module, timed.inputs, **kwargs)  # type: ignore[arg-type]
-    assert 1 <= len(refined) <= 4
-    for p in [kept, *refined]:
-        assert p.refined_from is not None and p.step_time > 0
-        assert p.peak_bytes / MiB <= budget  # the bytes stay the counted ones
-    assert "predicted by replaying its stages whole" in describe_budget_plan(refined[0], budget)
 
 
 @pytest.mark.slow
