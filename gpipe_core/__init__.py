@@ -37,6 +37,7 @@ from .shards import load_shards, save_shards
 from .simulator import Simulation, simulate
 from .stage_profile import StageProfile
 from .storage import CheckpointCorruptError, verify_checkpoint, write_atomic
+from .tune import TunedPlan, shortlist, tune
 
 __all__ = [
     "GPipe",
@@ -69,6 +70,9 @@ __all__ = [
     "plan_largest",
     "Plan",
     "NoPlanFits",
+    "tune",
+    "shortlist",
+    "TunedPlan",
     "layer_costs",
     "LayerCosts",
     "Device",
