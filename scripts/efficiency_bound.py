@@ -21,6 +21,12 @@ actions (before the first: the fill; between them: the transport's posts and rec
 after the last: the drain, until the slowest rank ends), and for the
 zero-bubble schedules what the backward's split into I and W added to the compute of 1F1B.
 
+``gp.tune``'s choice is recorded beside it (``plan_tuned``): after the launches, two fresh
+ranks (pinned, freed memory held, as the benchmark's) build gp.plan's shortlist of the measured
+schedules (each at the balance it ran with, predicted within 20% of the fastest, at most 4) and
+time it in ``--tune-rounds`` rotating rounds; its fastest is held against the launches' fastest,
+measured apart from it.
+
 ``--balance planned`` runs each schedule (ours and torch's of the same name) at the balance
 ``gp.plan`` chooses for it from the same per-layer seconds, instead of the layers in equal counts;
 the plan goal then holds gp.plan's whole configuration (schedule and balance) against the
@@ -36,6 +42,7 @@ rows (their per-step samples), and prints one table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -50,8 +57,9 @@ import torch
 
 import gpipe_core as gp
 from apps.planning import CPU_CORE
+from gpipe_core.launch import spawn
 from scripts.bench_pipeline import OURS, TORCH_COUNTERPART, parse_args, workload
-from scripts.harness import provenance, write_json
+from scripts.harness import provenance, setup_process, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,8 +159,31 @@ def planned(config: Namespace, balances: dict[str, list[int]],
     return {s: p.step_time for s, p in _plans(config, dict(balances), profiles).items()}
 
 
+def tuned(config: Namespace, balances: dict[str, list[int]], profiles: list[gp.StageProfile],
+          args: Namespace) -> list[dict[str, Any]]:
+    """gp.tune's timing of gp.plan's shortlist of the measured schedules (each at the balance
+    it ran with, priced by ``profiles``), in two fresh ranks set up as the benchmark's; the
+    timed plans, fastest first."""
+    plans = list(_plans(config, dict(balances), profiles).values())
+    setup = functools.partial(setup_process, pin=True, hold_memory=True)
+    result: list[dict[str, Any]] = spawn(_tune_ranks, K, None, config, plans, args.tune_rounds,
+                                         setup=setup, pg_timeout_s=120,
+                                         timeout_s=args.launch_timeout_s)[0]
+    return result
+
+
+def _tune_ranks(rank: int, world: int, config: Namespace, plans: list[gp.Plan],
+                rounds: int) -> list[dict[str, Any]]:
+    work = workload(config)
+    return [{"schedule": t.plan.schedule, "balance": t.plan.balance,
+             "predicted_seconds": t.plan.step_time, "seconds": t.seconds, "samples": t.samples}
+            for t in gp.tune(plans, work.build, work.inputs, work.targets, loss_fn=work.loss_fn,
+                             rounds=rounds, warmup=2)]
+
+
 def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, float],
-              counted: dict[str, float] | None = None) -> dict[str, Any]:
+              counted: dict[str, float] | None = None,
+              timed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The family's row: per schedule the medians over launches; the goals' verdicts."""
     launches = [{(r["impl"], r["schedule"]): r for r in report["rows"] if r["M"] == M}
                 for report in reports]
@@ -208,6 +239,12 @@ def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, f
                         / schedules[fastest]["seconds"] - 1}
     if "plan" in row:
         row["plan_goal_met"] = row["plan"]["choice_over_fastest"] <= GOAL_PLAN
+    if timed:
+        choice = timed[0]["schedule"]
+        row["plan_tuned"] = {"timed": timed, "choice": choice,
+                             "choice_over_fastest": schedules[choice]["seconds"]
+                             / schedules[fastest]["seconds"] - 1}
+        row["plan_tuned_goal_met"] = row["plan_tuned"]["choice_over_fastest"] <= GOAL_PLAN
     return row
 
 
@@ -246,6 +283,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"{p['choice_over_fastest']:+.1%} "
                   f"against the fastest (goal <= {GOAL_PLAN:.0%}: "
                   f"{'met' if row['plan_goal_met'] else 'missed'})")
+        if "plan_tuned" in row:
+            t = row["plan_tuned"]
+            print(f"  gp.tune timed {', '.join(x['schedule'] for x in t['timed'])} and chose "
+                  f"{t['choice']}: measured {t['choice_over_fastest']:+.1%} against the fastest "
+                  f"(goal <= {GOAL_PLAN:.0%}: {'met' if row['plan_tuned_goal_met'] else 'missed'})")
         if "plan_counted" in row:
             c = row["plan_counted"]
             print(f"  (priced by counted costs alone it would choose {c['choice']}: "
@@ -263,10 +305,13 @@ def main() -> None:
                         help="equal: the layers in equal counts per stage; planned: each "
                              "schedule at gp.plan's own balance (from the same per-layer "
                              "seconds), torch's schedule of that name too")
+    parser.add_argument("--tune-rounds", type=int, default=5,
+                        help="gp.tune's timed rounds of gp.plan's shortlist (0: no tuning)")
     parser.add_argument("--json", default="docs/reproduction/efficiency_bound.json")
     args = parser.parse_args()
-    if args.launches < 1 or args.steps < 1:
-        parser.error(f"--launches {args.launches} and --steps {args.steps} must be at least 1")
+    if args.launches < 1 or args.steps < 1 or args.tune_rounds < 0:
+        parser.error(f"--launches {args.launches} and --steps {args.steps} must be at least 1, "
+                     f"--tune-rounds {args.tune_rounds} at least 0")
     # the profiles as the ranks run (bench_pipeline's: freed memory kept mapped), as an app's
     # rank 0 measures them
     gp.hold_freed_memory()
@@ -283,8 +328,9 @@ def main() -> None:
             raw[family] = [report["rows"] for report in reports]
             ran = {r["schedule"]: r["balance"] for r in reports[0]["rows"]
                    if r["impl"] == "gpipe_core" and r["M"] == M}
+            timed = tuned(config, ran, profiles, args) if args.tune_rounds else None
             rows.append(summarize(family, reports, planned(config, ran, profiles),
-                                  planned(config, ran, None)))
+                                  planned(config, ran, None), timed))
     print_table(rows)
     write_json(args.json, {"provenance": provenance(load_before), "config": vars(args),
                            "goals": {"bound": GOAL_BOUND, "plan": GOAL_PLAN},

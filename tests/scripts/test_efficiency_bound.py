@@ -58,7 +58,24 @@ def test_efficiency_bound_summarizes_its_launches(tmp_path: Path) -> None:
             row["schedules"][plan["choice"]]["seconds"] / row["schedules"][fastest]["seconds"] - 1)
     assert row["plan"]["predicted_seconds"] != row["plan_counted"]["predicted_seconds"]
     assert row["plan_goal_met"] == (row["plan"]["choice_over_fastest"] <= 0.03)
+    # gp.tune timed gp.plan's shortlist apart from the launches: the plans predicted within 20%
+    # of the fastest, at most 4, each at the balance it ran with; its choice is its fastest
+    tuned = row["plan_tuned"]
+    predicted = row["plan"]["predicted_seconds"]
+    shortlisted = sorted((s for s in predicted if predicted[s] <= 1.2 * min(predicted.values())),
+                         key=predicted.get)[:4]
+    assert sorted(t["schedule"] for t in tuned["timed"]) == sorted(shortlisted)
+    assert [t["seconds"] for t in tuned["timed"]] == sorted(t["seconds"] for t in tuned["timed"])
+    for t in tuned["timed"]:
+        assert len(t["samples"]) == 5 and t["seconds"] == statistics.median(t["samples"])
+        assert t["balance"] == row["schedules"][t["schedule"]]["balance"]
+        assert t["predicted_seconds"] == pytest.approx(predicted[t["schedule"]])
+    assert tuned["choice"] == tuned["timed"][0]["schedule"]
+    assert tuned["choice_over_fastest"] == pytest.approx(
+        row["schedules"][tuned["choice"]]["seconds"] / row["schedules"][fastest]["seconds"] - 1)
+    assert row["plan_tuned_goal_met"] == (tuned["choice_over_fastest"] <= 0.03)
     assert f"fastest {fastest}" in result.stdout and "gp.plan chose" in result.stdout
+    assert "gp.tune timed" in result.stdout
 
 
 @pytest.mark.slow
