@@ -43,6 +43,7 @@ import argparse
 import functools
 import json
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -206,7 +207,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
         spent: dict[tuple[str, str], list[tuple[float, ...]]] = {
             key: [] for key, fn in configs.items() if hasattr(fn, "pipe")}
         for round_ in range(args.warmup + args.steps):
-            for key, fn in configs.items():
+            for key in round_order(list(configs), round_, args.order):
+                fn = configs[key]
                 if round_ == args.warmup - 1:  # warm steps, untimed: memory
                     peaks[key] = (*step_memory_mb(fn), step_tensor_mb(fn))
                     continue
@@ -301,6 +303,17 @@ class _TupleIn(nn.Module):
         return self.inner(args[0] if len(args) == 1 else args)
 
 
+def round_order(keys: list[Any], round_: int, order: str) -> list[Any]:
+    """The configurations' order in one round. ``fixed``: as built, every round (each one always
+    runs after the same other one); ``shuffled``: a permutation drawn from the round's number
+    (the same on every rank), so that no configuration runs after the same one each round."""
+    if order == "fixed":
+        return keys
+    shuffled = list(keys)
+    random.Random(round_).shuffle(shuffled)
+    return shuffled
+
+
 def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int], m: int,
               rank: int, x: Any, y: Tensor, checkpoint: str, quiet_io: bool = True,
               loss: Callable[[Any, Tensor], Tensor] = loss_fn) -> Any:
@@ -388,6 +401,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-quiet-io", dest="quiet_io", action="store_false",
                         help="let gloo's I/O thread preempt our sends and posts "
                              "(gpipe_core.cpu.QuietIOThreads off)")
+    parser.add_argument("--order", choices=["fixed", "shuffled"], default="fixed",
+                        help="each round's order of the configurations: as built, or a "
+                             "permutation drawn per round (no configuration always after the "
+                             "same one)")
     parser.add_argument("--out", default="out/bench_pipeline", help="JSON and PNG")
     parser.add_argument("--json", default="docs/reproduction/bench_pipeline.json",
                         help="the result with its provenance, where the pages cite it")

@@ -80,7 +80,7 @@ def bench_arguments(family: str, args: Namespace, balances: dict[str, list[int]]
     """bench_pipeline.py's arguments for ``family`` at M=8 (``balances``: per schedule, else
     equal counts), but for where it writes."""
     arguments = ["--family", family, "--microbatches", str(M), "--steps", str(args.steps),
-                 "--warmup", "2"]
+                 "--warmup", "2", "--order", args.order]
     if args.quick:
         arguments += ["--tiny", "--blocks", "4", "--width", "16", "--batch", "16", "--seq", "2"]
     for schedule, balance in balances.items():
@@ -305,6 +305,8 @@ def main() -> None:
                         help="equal: the layers in equal counts per stage; planned: each "
                              "schedule at gp.plan's own balance (from the same per-layer "
                              "seconds), torch's schedule of that name too")
+    parser.add_argument("--order", choices=["fixed", "shuffled"], default="fixed",
+                        help="bench_pipeline's order of the configurations in each round")
     parser.add_argument("--tune-rounds", type=int, default=5,
                         help="gp.tune's timed rounds of gp.plan's shortlist (0: no tuning)")
     parser.add_argument("--json", default="docs/reproduction/efficiency_bound.json")

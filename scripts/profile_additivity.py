@@ -124,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or args.rounds < 1:
         parser.error(f"--repeats {args.repeats} and --rounds {args.rounds} must be at least 1")
-    args.steps = 1  # bench_arguments' timed rounds: unused here
+    args.steps, args.order = 1, "fixed"  # bench_arguments' rounds and their order: unused here
     gp.hold_freed_memory()  # as the ranks and efficiency_bound's profiles run
     torch.set_num_threads(1)
     load_before = os.getloadavg()
