@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_pipeline import VIRTUAL
+from scripts.bench_pipeline import VIRTUAL, round_order
 from tests.scripts.published import assert_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,11 +124,13 @@ def test_a_balance_that_does_not_cover_the_model_is_refused(tmp_path: Path) -> N
 @pytest.mark.distributed
 def test_bench_pipeline_runs_the_chosen_schedules_and_their_counterparts(tmp_path: Path) -> None:
     """``--schedules``: only these of ours, each with its torch counterpart (1F1B with slack is
-    compared with torch's 1F1B), so each rank's process holds fewer pipelines."""
+    compared with torch's 1F1B), so each rank's process holds fewer pipelines; here in an order
+    drawn per round (``--order shuffled``), which both ranks must draw alike."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--blocks", "4",
          "--width", "16", "--batch", "8", "--seq", "2", "--microbatches", "2", "--steps", "2",
-         "--warmup", "1", "--schedules", "gpipe", "1f1b_slack1", "--out", str(tmp_path / "b"),
+         "--warmup", "1", "--schedules", "gpipe", "1f1b_slack1", "--order", "shuffled",
+         "--out", str(tmp_path / "b"),
          "--json", str(tmp_path / "published.json")],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
@@ -141,3 +143,16 @@ def test_bench_pipeline_runs_the_chosen_schedules_and_their_counterparts(tmp_pat
     wins = next(line for line in result.stdout.splitlines()
                 if "rounds in which gpipe_core was faster" in line)
     assert ": gpipe " in wins and ", 1f1b_slack1 " in wins
+
+
+def test_a_shuffled_round_order_is_a_permutation_drawn_from_the_round() -> None:
+    keys = [("plain", "whole"), ("gpipe_core", "gpipe"), ("torch.pipelining", "gpipe"),
+            ("gpipe_core", "1f1b"), ("torch.pipelining", "1f1b"), ("gpipe_core", "zb_v")]
+    assert all(round_order(keys, r, "fixed") == keys for r in range(5))
+    orders = [round_order(keys, r, "shuffled") for r in range(12)]
+    assert all(sorted(order) == sorted(keys) for order in orders)
+    assert orders == [round_order(keys, r, "shuffled") for r in range(12)]  # every rank alike
+    # no configuration runs after the same one in every round
+    for key in keys:
+        before = {order[order.index(key) - 1] if order.index(key) else None for order in orders}
+        assert len(before) > 1, key
