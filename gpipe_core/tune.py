@@ -7,7 +7,8 @@ differently per schedule). :func:`tune` settles it the way a user would: it buil
 shortlisted plan's :class:`~gpipe_core.DistributedGPipe` in the ranks that will train, steps
 each a few times in rounds (every plan once per round, the order rotating, so that a host whose
 speed drifts slows them alike) and returns them fastest first, the same list on every rank.
-Gradients are left cleared and no optimizer steps: the model passed in is not changed.
+No optimizer steps and the gradients are cleared after: the models ``build`` made
+are left as built, and dropped.
 
 Call it on every rank of the pipeline's group, after the process group is up::
 
@@ -40,10 +41,6 @@ class TunedPlan:
     plan: Plan
     seconds: float
     samples: list[float]  # one step per round, seconds (the slowest rank's)
-
-    @property
-    def predicted_over_measured(self) -> float:
-        return self.plan.step_time / self.seconds
 
 
 def shortlist(plans: Sequence[Plan], *, candidates: int = 4, within: float = 0.2) -> list[Plan]:

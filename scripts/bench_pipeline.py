@@ -6,8 +6,8 @@ memory mapped (``gp.hold_freed_memory``; ``--no-hold-memory`` leaves glibc's def
 ``--no-quiet-io`` lets gloo's I/O thread preempt our transport's calls. For each M in 1, 2,
 4, 8, 16 they measure, round-robin (one step of each configuration per round, so that changes
 in machine load touch all alike; in the order built, or with ``--order shuffled`` in an order
-drawn per round, so that no configuration always runs after the same one): the plain module in rank 0 on the whole batch and on the M
-micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, 1F1B with one forward
+drawn per round, so that no configuration always runs after the same one): the plain module
+in rank 0 on the whole batch and on the M micro-batches in a row, our ``DistributedGPipe`` (fill-drain, 1F1B, 1F1B with one forward
 of slack, the zero-bubble ZB-H1 and ZB-H2, whose backward runs as I and W, and with two stages
 per rank interleaved 1F1B, interleaved zero bubble, ZB-V and DualPipeV) and ``torch.distributed.pipelining`` (``ScheduleGPipe``,
 ``Schedule1F1B``, and with two stages per rank ``ScheduleInterleaved1F1B``,

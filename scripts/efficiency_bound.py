@@ -159,12 +159,10 @@ def planned(config: Namespace, balances: dict[str, list[int]],
     return {s: p.step_time for s, p in _plans(config, dict(balances), profiles).items()}
 
 
-def tuned(config: Namespace, balances: dict[str, list[int]], profiles: list[gp.StageProfile],
-          args: Namespace) -> list[dict[str, Any]]:
-    """gp.tune's timing of gp.plan's shortlist of the measured schedules (each at the balance
-    it ran with, priced by ``profiles``), in two fresh ranks set up as the benchmark's; the
-    timed plans, fastest first."""
-    plans = list(_plans(config, dict(balances), profiles).values())
+def tuned(config: Namespace, plans: list[gp.Plan], args: Namespace) -> list[dict[str, Any]]:
+    """gp.tune's timing of the shortlist of ``plans`` (gp.plan's of the measured schedules, each
+    at the balance it ran with), in two fresh ranks set up as the benchmark's; the timed plans,
+    fastest first."""
     setup = functools.partial(setup_process, pin=True, hold_memory=True)
     result: list[dict[str, Any]] = spawn(_tune_ranks, K, None, config, plans, args.tune_rounds,
                                          setup=setup, pg_timeout_s=120,
@@ -330,8 +328,9 @@ def main() -> None:
             raw[family] = [report["rows"] for report in reports]
             ran = {r["schedule"]: r["balance"] for r in reports[0]["rows"]
                    if r["impl"] == "gpipe_core" and r["M"] == M}
-            timed = tuned(config, ran, profiles, args) if args.tune_rounds else None
-            rows.append(summarize(family, reports, planned(config, ran, profiles),
+            plans = _plans(config, dict(ran), profiles)
+            timed = tuned(config, list(plans.values()), args) if args.tune_rounds else None
+            rows.append(summarize(family, reports, {s: p.step_time for s, p in plans.items()},
                                   planned(config, ran, None), timed))
     print_table(rows)
     write_json(args.json, {"provenance": provenance(load_before), "config": vars(args),

@@ -3,48 +3,25 @@ a wrong prediction is overruled by the measurement."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import gpipe_core as gp
 from tests.distributed.launch import spawn
+from tests.test_profile import SLEEP_B, SLEEP_F, Sleep
 
 pytestmark = pytest.mark.distributed
-
-LAYER_S = 0.005  # each layer's forward and its backward sleep this long: a known least cost
-
-
-class _Sleepy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[no-untyped-def,override]
-        time.sleep(LAYER_S)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[no-untyped-def,override]
-        time.sleep(LAYER_S)
-        return grad
-
-
-class SleepyLinear(nn.Module):
-    """A small linear layer whose forward and backward each take at least LAYER_S."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _Sleepy.apply(self.linear(x))  # type: ignore[no-any-return]
 
 
 def build() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*(SleepyLinear() for _ in range(4)))
+    # four equal layers, each a small linear one whose forward and backward take at least
+    # SLEEP_F and SLEEP_B (a known least cost)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), Sleep()) for _ in range(4)))
 
 
 def plan(balance: list[int], predicted: float) -> gp.Plan:
@@ -55,8 +32,9 @@ def plan(balance: list[int], predicted: float) -> gp.Plan:
 def tune_in_ranks(rank: int, world: int) -> Any:
     torch.set_num_threads(1)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
-    # [3, 1] puts 3 of the 4 equal layers on rank 0: its step takes about 4 x 6 units against
-    # [2, 2]'s 5 x 4. The prediction says the opposite; the measurement must overrule it.
+    # [3, 1] puts 3 of the 4 equal layers on rank 0: its step takes at least 4 x 3 + 1 layers'
+    # forward and backward, [2, 2]'s 4 x 2 + 2. The prediction says the opposite; the
+    # measurement must overrule it.
     plans = [plan([3, 1], 1.0), plan([2, 2], 1.1), plan([1, 3], 1.5)]
     tuned = gp.tune(plans, build, x, y, loss_fn=nn.functional.mse_loss, within=0.2,
                     rounds=3, warmup=1, timeout_s=60)
@@ -81,7 +59,7 @@ def test_tune_times_the_shortlist_and_overrules_a_wrong_prediction(tmp_path: Pat
     assert len(samples) == 3
     # the least cost of [2, 2]: rank 1's 4 forwards and 4 backwards of 2 layers, plus rank 0's
     # first forward before it and last backward after it
-    assert fast >= (4 * 2 * 2 + 2 * 2) * LAYER_S
+    assert fast >= (4 * 2 + 2) * (SLEEP_F + SLEEP_B)
     assert slow > fast
     assert error.endswith("is for 4 ranks, but the group has 2: plan with stages=[2]"), error
 
