@@ -32,10 +32,16 @@ measured apart from it.
 the plan goal then holds gp.plan's whole configuration (schedule and balance) against the
 fastest measured.
 
+``--apart`` runs each schedule in its own bench_pipeline.py run (two fresh ranks holding the
+whole model once, our pipeline of that schedule and torch's counterpart, paired round by round),
+one run after another within a launch, the first schedule rotating from launch to launch: the
+processes hold what a user's run holds, where the default's hold every schedule at once.
+
 Writes ``docs/reproduction/efficiency_bound.json`` (``--json``) with provenance and every launch's
 rows (their per-step samples), and prints one table.
 
     python scripts/efficiency_bound.py [--families mlp encoder nmt_app amoebanet_app amoebanet_56px]
+                                       [--schedules gpipe 1f1b ...] [--apart]
                                        [--launches 3 --steps 10] [--balance planned] [--quick]
 """
 
@@ -90,10 +96,26 @@ def bench_arguments(family: str, args: Namespace, balances: dict[str, list[int]]
 
 def launch(family: str, index: int, args: Namespace, scratch: Path,
            balances: dict[str, list[int]]) -> dict[str, Any]:
-    """One run of bench_pipeline.py for ``family`` at M=8; its report."""
-    out = scratch / f"{family}_{index}"
+    """One launch of ``family`` at M=8, its report: one run of bench_pipeline.py over
+    ``args.schedules``, or with ``args.apart`` one run per schedule, the launch's ``index``
+    rotating which runs first, each run's rows of its own schedule kept."""
+    if not args.apart:
+        return bench(family, str(index), args, scratch, balances, args.schedules)
+    shift = index % len(args.schedules)
+    rows = []
+    for schedule in [*args.schedules[shift:], *args.schedules[:shift]]:
+        report = bench(family, f"{index}_{schedule}", args, scratch, balances, [schedule])
+        rows += [r for r in report["rows"] if r["schedule"] == schedule and r["impl"] != "plain"]
+    return {"rows": rows}
+
+
+def bench(family: str, name: str, args: Namespace, scratch: Path,
+          balances: dict[str, list[int]], schedules: list[str]) -> dict[str, Any]:
+    """One run of bench_pipeline.py for ``family`` at M=8 over our ``schedules`` (and their
+    torch counterparts); its report."""
+    out = scratch / f"{family}_{name}"
     command = [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"),
-               *bench_arguments(family, args, balances),
+               *bench_arguments(family, args, balances), "--schedules", *schedules,
                "--out", str(out), "--json", str(out / "report.json")]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                             timeout=args.launch_timeout_s)
@@ -305,6 +327,12 @@ def main() -> None:
                              "seconds), torch's schedule of that name too")
     parser.add_argument("--order", choices=["fixed", "shuffled"], default="fixed",
                         help="bench_pipeline's order of the configurations in each round")
+    parser.add_argument("--schedules", nargs="+", choices=OURS, default=list(OURS),
+                        help="our schedules to measure, each with its torch counterpart")
+    parser.add_argument("--apart", action="store_true",
+                        help="one bench_pipeline.py run per schedule in each launch (processes "
+                             "holding one pipeline of ours and torch's counterpart, as a "
+                             "user's run holds one), instead of one run holding them all")
     parser.add_argument("--tune-rounds", type=int, default=5,
                         help="gp.tune's timed rounds of gp.plan's shortlist (0: no tuning)")
     parser.add_argument("--json", default="docs/reproduction/efficiency_bound.json")

@@ -104,3 +104,31 @@ def test_each_schedule_runs_at_the_planners_own_balance(tmp_path: Path) -> None:
             if r["schedule"] == name and r["impl"] == "torch.pipelining":
                 assert r["balance"] == balance
     assert set(row["plan"]["predicted_seconds"]) == set(row["schedules"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_apart_runs_each_schedule_in_its_own_processes(tmp_path: Path) -> None:
+    """--apart: each launch is one bench_pipeline run per schedule, the first rotating from
+    launch to launch; a run's rows of its own schedule are kept (ours and torch's of that name;
+    not the plain module's, nor the torch 1F1B that zb_h1's run is compared with), and the
+    family's row is summarized from them as from one run."""
+    out = tmp_path / "apart.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "efficiency_bound.py"), "--quick",
+         "--families", "mlp", "--launches", "2", "--steps", "1", "--apart",
+         "--schedules", "gpipe", "zb_h1", "--tune-rounds", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["apart"] and report["config"]["schedules"] == ["gpipe", "zb_h1"]
+    first, second = report["launch_rows"]["mlp"]
+    assert [(r["impl"], r["schedule"]) for r in first] == [
+        ("gpipe_core", "gpipe"), ("torch.pipelining", "gpipe"), ("gpipe_core", "zb_h1")]
+    assert [(r["impl"], r["schedule"]) for r in second] == [
+        ("gpipe_core", "zb_h1"), ("gpipe_core", "gpipe"), ("torch.pipelining", "gpipe")]
+    (row,) = report["families"]
+    assert set(row["schedules"]) == {"gpipe", "zb_h1"} and set(row["torch"]) == {"gpipe"}
+    assert row["torch"]["gpipe"]["rounds"] == 2
+    assert "plan_tuned" not in row
