@@ -188,8 +188,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
         # that drifts in machine load touch them all alike.
         configs: dict[tuple[str, str], Any] = {}
         balances: dict[tuple[str, str], list[int]] = {}
-        for schedule, fn in plain_steps(plain_model, x, y, m, rank, work.loss_fn).items():
-            configs[("plain", schedule)] = fn
+        if args.plain:
+            for schedule, fn in plain_steps(plain_model, x, y, m, rank, work.loss_fn).items():
+                configs[("plain", schedule)] = fn
         counterparts = {TORCH_COUNTERPART[s] for s in args.schedules}
         for impl, schedule in ([("gpipe_core", s) for s in OURS if s in args.schedules]
                                + [("torch.pipelining", s) for s in THEIRS if s in counterparts]):
@@ -402,6 +403,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-quiet-io", dest="quiet_io", action="store_false",
                         help="let gloo's I/O thread preempt our sends and posts "
                              "(gpipe_core.cpu.QuietIOThreads off)")
+    parser.add_argument("--no-plain", dest="plain", action="store_false",
+                        help="leave out the plain module's steps (and the speedups and "
+                             "efficiencies against it): the pipelines alone in each round")
     parser.add_argument("--order", choices=["fixed", "shuffled"], default="fixed",
                         help="each round's order of the configurations: as built, or a "
                              "permutation drawn per round (no configuration always after the "
@@ -449,7 +453,7 @@ def main() -> None:
     rows = json.loads(spawn(worker, K, None, args, setup=setup, pg_timeout_s=120,
                             timeout_s=None)[0])
     plain = {(r["M"], r["schedule"]): r["seconds"] for r in rows if r["impl"] == "plain"}
-    for row in rows:
+    for row in rows if plain else ():
         m = row["M"]
         ideal = plain[(m, "chunked")] * (m + K - 1) / (K * m)
         row["speedup"] = plain[(m, "whole")] / row["seconds"]
@@ -459,8 +463,10 @@ def main() -> None:
     report = {"provenance": provenance(load_before), "config": vars(args), "rows": rows}
     write_json(out / "bench_pipeline.json", report)
     write_json(args.json, report)
-    whole = statistics.median(s for (_, schedule), s in plain.items() if schedule == "whole")
-    print(f"plain module, 1 thread: {whole:.4f} s/step ({workload(args).describe}); cores pinned: {args.pin}; freed memory held: "
+    if plain:
+        whole = statistics.median(s for (_, sched), s in plain.items() if sched == "whole")
+        print(f"plain module, 1 thread: {whole:.4f} s/step", end="; ")
+    print(f"{workload(args).describe}; cores pinned: {args.pin}; freed memory held: "
           f"{args.hold_memory}; gloo I/O thread quiet in our calls: {args.quiet_io}")
     print("eff.: against GPipe's ideal (plain on M micro-batches x (M+K-1)/(KM)); par.: against "
           "perfect parallelism (plain on M micro-batches / K)")
@@ -470,8 +476,9 @@ def main() -> None:
         peaks = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["peak_rss_mb_per_rank"])
         added = "/".join(f"{p:.0f}" if p is not None else "-" for p in r["step_memory_mb_per_rank"])
         tensors = "/".join(f"{p:.1f}" for p in r["peak_tensor_mb_per_rank"])
-        print(f"{r['impl']:<18}{r['schedule']:<17}{r['M']:>3}{r['seconds']:>9.4f}"
-              f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{r['parallel_efficiency']:>7.0%}"
+        against = (f"{r['speedup']:>9.2f}{r['efficiency']:>7.0%}{r['parallel_efficiency']:>7.0%}"
+                   if plain else f"{'-':>9}{'-':>7}{'-':>7}")
+        print(f"{r['impl']:<18}{r['schedule']:<17}{r['M']:>3}{r['seconds']:>9.4f}{against}"
               f"{peaks:>18}{added:>14}{tensors:>12}")
     for m in args.microbatches:
         ours = {r["schedule"]: r["seconds"] for r in rows if r["M"] == m and r["impl"] == "gpipe_core"}
@@ -495,8 +502,10 @@ def main() -> None:
                                  for s in ("zb_h1", "zb_h2", "zb_v", "dualpipe_v",
                                            "interleaved_1f1b", "interleaved_zb")
                                  if s in ours) if "1f1b" in ours else ""))
-    plot(rows, out / "bench_pipeline.png")
-    print(f"wrote {args.json}, {out}/bench_pipeline.json and bench_pipeline.png")
+    if plain:  # the speedup over the plain module against M
+        plot(rows, out / "bench_pipeline.png")
+    print(f"wrote {args.json} and {out}/bench_pipeline.json"
+          + (" and bench_pipeline.png" if plain else ""))
 
 
 def paired_wins(rows: list[dict[str, Any]], m: int) -> dict[str, tuple[int, int]]:

@@ -32,8 +32,8 @@ measured apart from it.
 the plan goal then holds gp.plan's whole configuration (schedule and balance) against the
 fastest measured.
 
-``--apart`` runs each schedule in its own bench_pipeline.py run (two fresh ranks holding the
-whole model once, our pipeline of that schedule and torch's counterpart, paired round by round),
+``--apart`` runs each schedule in its own bench_pipeline.py run (two fresh ranks holding our
+pipeline of that schedule and torch's counterpart, paired round by round, no plain module steps),
 one run after another within a launch, the first schedule rotating from launch to launch: the
 processes hold what a user's run holds, where the default's hold every schedule at once.
 
@@ -116,6 +116,7 @@ def bench(family: str, name: str, args: Namespace, scratch: Path,
     out = scratch / f"{family}_{name}"
     command = [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"),
                *bench_arguments(family, args, balances), "--schedules", *schedules,
+               *(["--no-plain"] if args.apart else []),
                "--out", str(out), "--json", str(out / "report.json")]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                             timeout=args.launch_timeout_s)
