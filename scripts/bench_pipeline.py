@@ -181,14 +181,14 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
     """One rank's measurements; rank 0 returns every row as JSON text."""
     work = workload(args)
     x, y = work.inputs, work.targets
-    plain_model = work.build()
+    plain_model = work.build() if args.plain else None  # --no-plain: not even held
     rows = []
     for m in args.microbatches:
         # Every configuration of this M, measured round-robin: one step of each per round, so
         # that drifts in machine load touch them all alike.
         configs: dict[tuple[str, str], Any] = {}
         balances: dict[tuple[str, str], list[int]] = {}
-        if args.plain:
+        if plain_model is not None:
             for schedule, fn in plain_steps(plain_model, x, y, m, rank, work.loss_fn).items():
                 configs[("plain", schedule)] = fn
         counterparts = {TORCH_COUNTERPART[s] for s in args.schedules}
@@ -453,12 +453,13 @@ def main() -> None:
     rows = json.loads(spawn(worker, K, None, args, setup=setup, pg_timeout_s=120,
                             timeout_s=None)[0])
     plain = {(r["M"], r["schedule"]): r["seconds"] for r in rows if r["impl"] == "plain"}
-    for row in rows if plain else ():
-        m = row["M"]
-        ideal = plain[(m, "chunked")] * (m + K - 1) / (K * m)
-        row["speedup"] = plain[(m, "whole")] / row["seconds"]
-        row["efficiency"] = ideal / row["seconds"]
-        row["parallel_efficiency"] = plain[(m, "chunked")] / K / row["seconds"]
+    for row in rows:
+        if plain:
+            m = row["M"]
+            ideal = plain[(m, "chunked")] * (m + K - 1) / (K * m)
+            row["speedup"] = plain[(m, "whole")] / row["seconds"]
+            row["efficiency"] = ideal / row["seconds"]
+            row["parallel_efficiency"] = plain[(m, "chunked")] / K / row["seconds"]
     out = Path(args.out)
     report = {"provenance": provenance(load_before), "config": vars(args), "rows": rows}
     write_json(out / "bench_pipeline.json", report)
@@ -468,8 +469,9 @@ def main() -> None:
         print(f"plain module, 1 thread: {whole:.4f} s/step", end="; ")
     print(f"{workload(args).describe}; cores pinned: {args.pin}; freed memory held: "
           f"{args.hold_memory}; gloo I/O thread quiet in our calls: {args.quiet_io}")
-    print("eff.: against GPipe's ideal (plain on M micro-batches x (M+K-1)/(KM)); par.: against "
-          "perfect parallelism (plain on M micro-batches / K)")
+    if plain:
+        print("eff.: against GPipe's ideal (plain on M micro-batches x (M+K-1)/(KM)); par.: "
+              "against perfect parallelism (plain on M micro-batches / K)")
     print(f"{'impl':<18}{'schedule':<17}{'M':>3}{'s/step':>9}{'speedup':>9}{'eff.':>7}{'par.':>7}"
           f"{'peak RSS MB/rank':>18}{'step adds MB':>14}{'tensors MB':>12}")
     for r in rows:

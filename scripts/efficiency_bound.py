@@ -105,7 +105,7 @@ def launch(family: str, index: int, args: Namespace, scratch: Path,
     rows = []
     for schedule in [*args.schedules[shift:], *args.schedules[:shift]]:
         report = bench(family, f"{index}_{schedule}", args, scratch, balances, [schedule])
-        rows += [r for r in report["rows"] if r["schedule"] == schedule and r["impl"] != "plain"]
+        rows += [r for r in report["rows"] if r["schedule"] == schedule]  # not zb_h1's torch 1F1B
     return {"rows": rows}
 
 
@@ -168,10 +168,10 @@ def _plans(config: Namespace, schedules: dict[str, list[int] | None],
     return plans
 
 
-def planned_balances(config: Namespace, profiles: list[gp.StageProfile]
+def planned_balances(config: Namespace, profiles: list[gp.StageProfile], schedules: list[str]
                      ) -> dict[str, list[int]]:
-    """gp.plan's own balance for each of our schedules (``--balance planned``)."""
-    return {s: p.balance for s, p in _plans(config, dict.fromkeys(OURS), profiles).items()}
+    """gp.plan's own balance for each of our ``schedules`` (``--balance planned``)."""
+    return {s: p.balance for s, p in _plans(config, dict.fromkeys(schedules), profiles).items()}
 
 
 def planned(config: Namespace, balances: dict[str, list[int]],
@@ -351,7 +351,7 @@ def main() -> None:
             config = parse_args([*bench_arguments(family, args, {}), "--out", scratch,
                                  "--json", str(Path(scratch) / "unused.json")])
             profiles = layer_profiles(config)
-            balances = planned_balances(config, profiles) if args.balance == "planned" else {}
+            balances = planned_balances(config, profiles, args.schedules) if args.balance == "planned" else {}
             reports = [launch(family, i, args, Path(scratch), balances)
                        for i in range(args.launches)]
             raw[family] = [report["rows"] for report in reports]
