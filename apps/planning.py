@@ -128,7 +128,7 @@ def with_loss(costs: gp.LayerCosts, rows: int) -> gp.LayerCosts:
         "names", "param_count", "param_bytes", "saved_bytes", "saved_input_bytes",
         "saved_fixed_bytes",
         "input_bytes", "output_bytes", "output_unsaved_bytes", "output_passthrough_bytes",
-        "backward_bytes",
+        "forward_working_bytes", "input_freed_bytes", "backward_bytes",
         "backward_fixed_bytes",
         "forward_flops", "backward_flops", "forward_ops", "backward_ops", *_TRAFFIC)}
     for name in ("param_count", "param_bytes", "forward_flops", "backward_flops", "forward_ops",
@@ -144,6 +144,14 @@ def with_loss(costs: gp.LayerCosts, rows: int) -> gp.LayerCosts:
         (merged["backward_bytes"][-1] - loss_saved, merged["backward_fixed_bytes"][-1]),
         (costs.backward_bytes[-1], costs.backward_fixed_bytes[-1]),
         (1 / costs.batch_size, max(rows, 1) / costs.batch_size))
+    if costs.forward_working_bytes:
+        # The loss runs after the layer, beside what the layer left: its output (less what the
+        # loss saves of it, in the merged saved count already; all of it where the layer
+        # saved it, a bound) and the loss's temporaries.
+        merged["forward_working_bytes"][-1] = max(
+            merged["forward_working_bytes"][-1],
+            costs.forward_working_bytes[-1]
+            + merged["output_bytes"][-1] - costs.saved_input_bytes[-1])
     merged["output_bytes"][-1] = costs.output_bytes[-1]  # the last stage ends in the loss
     merged["output_unsaved_bytes"][-1] = costs.output_unsaved_bytes[-1]
     merged["output_passthrough_bytes"][-1] = costs.output_passthrough_bytes[-1]

@@ -18,6 +18,14 @@ on a sample batch and counts, per layer:
   it waits for the output's gradient (it keeps its outputs to run the backward from them);
 - ``output_passthrough_bytes``: the part of ``output_bytes`` that is the layer's input passed
   on (the same storage), so the next layer's input shares it with this one's;
+- ``forward_working_bytes``: the most the layer's forward holds at once beyond what it leaves
+  (what it saved and its output): the temporaries that exist only while it runs (an
+  AmoebaNet cell's branch outputs beside the concatenation made of them);
+  ``input_freed_bytes``: the part of its input that neither it nor the previous layer saved
+  nor it passes on, alive while it runs and freed once it returns (the model's input counts
+  nothing: the caller holds it). The two give the most a chain of layers holds while layer
+  ``i`` runs: what it holds after ``i`` plus both of ``i``'s (an upper bound where an earlier
+  layer than the previous one saved that input);
 - ``backward_bytes``: the most the layer's backward holds at once beyond what the forward
   saved: the gradient it receives (``output_bytes``), its temporaries and the gradient of its
   input, replayed from every storage its backward creates and frees, its parameters' fresh
@@ -85,6 +93,9 @@ class LayerCosts:
     # output that is its input passed on (the same storage: an AmoebaNet cell hands the
     # previous cell's output to the next beside its own)
     output_passthrough_bytes: list[float] = field(default_factory=list)
+    # held only while its forward runs: its temporaries, and its input that is freed after
+    forward_working_bytes: list[float] = field(default_factory=list)
+    input_freed_bytes: list[float] = field(default_factory=list)
     backward_bytes: list[float] = field(default_factory=list)  # held by its backward, per batch
     backward_fixed_bytes: list[float] = field(default_factory=list)  # and at any batch
     forward_flops: list[float] = field(default_factory=list)
@@ -218,6 +229,11 @@ class _Allocations(TorchDispatchMode):
                 self._track(t.untyped_storage())
         return out
 
+    def alive(self) -> int:
+        """Bytes alive now among the storages created inside (and held from the start)."""
+        freed = {number for number, size in self.events if not size}
+        return sum(size for number, size in self.events if size and number not in freed)
+
     def peak(self, excluded: Sequence[Tensor] = ()) -> int:
         """The most bytes alive at once above what was held at the start, the storages of
         ``excluded`` (alive now) left out."""
@@ -274,6 +290,7 @@ class _Counted:
     saved_inputs: list[tuple[frozenset[int], int]]  # input leaves sharing a saved storage, bytes
     output: Any
     saved_outputs: frozenset[int]  # output leaves whose storage this layer saved
+    unkept_inputs: list[tuple[frozenset[int], int]]  # input leaves it neither saved nor passed
 
 
 def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
@@ -283,9 +300,12 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
     forward_ops, backward_ops = _OpCount(), _OpCount()
     # Data-dependent indexing has no meta kernel unless told every element is selected.
     with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
+        forward_allocations = _Allocations()
         with FlopCounterMode(display=False) as forward_count, forward_ops, \
+                forward_allocations, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             y = layer(x)
+        forward_working = forward_allocations.peak() - forward_allocations.alive()
         outputs = [t for t in _tensors(y) if t.requires_grad]
         grads = [grad_of(t) for t in outputs]
         # what the forward saved counts as held: the backward frees some of it on the way
@@ -312,6 +332,10 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
             unsaved[_storage_key(t)] = t.numel() * t.element_size()
         if _storage_key(t) in input_keys:
             passed[_storage_key(t)] = t.numel() * t.element_size()
+    kept_keys = set(saved.sizes) | set(passed)
+    unkept_inputs = [(frozenset(i for i, k in enumerate(input_keys) if k == key), size)
+                     for key, size in {_storage_key(t): t.untyped_storage().nbytes()
+                                       for t in leaves}.items() if key not in kept_keys]
     values = {
         "param_count": sum(p.numel() for p in layer.parameters()),
         "param_bytes": float(sum(p.numel() * p.element_size() for p in layer.parameters())),
@@ -320,6 +344,7 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
         "output_bytes": _nbytes(y),
         "output_unsaved_bytes": float(sum(unsaved.values())),
         "output_passthrough_bytes": float(sum(passed.values())),
+        "forward_working_bytes": float(forward_working),
         "backward_bytes": float(backward_held),
         "forward_flops": float(forward_count.get_total_flops()),
         "backward_flops": float(backward_count.get_total_flops()),
@@ -328,7 +353,7 @@ def _count_layer(layer: nn.Module, x: Any, parameters: set[int],
         "forward_traffic_bytes": float(forward_ops.traffic),
         "backward_traffic_bytes": float(backward_ops.traffic),
     }
-    return _Counted(values, saved_inputs, y, saved_outputs)
+    return _Counted(values, saved_inputs, y, saved_outputs, unkept_inputs)
 
 
 def structural_key(layer: nn.Module) -> Hashable:
@@ -424,6 +449,8 @@ def layer_costs(
             max(count2.values["saved_bytes"] - at_batch, 0.0), at_batch))
         costs.saved_input_bytes.append(float(sum(
             size for leaves, size in count.saved_inputs if not leaves & previous_saved)))
+        costs.input_freed_bytes.append(0.0 if not costs.input_freed_bytes else float(sum(
+            size for leaves, size in count.unkept_inputs if not leaves & previous_saved)))
         previous_saved = count.saved_outputs
         x = count.output
         x2 = None if count2 is None else count2.output

@@ -214,6 +214,8 @@ def plan(
     output_unsaved: Sequence[float] | None = None
     saved_fixed: Sequence[float] | None = None  # per layer: what it saves at any batch size
     passthrough: Sequence[float] | None = None  # per layer: its output that is its input
+    # per layer: what its forward holds while it runs only (temporaries; its input freed after)
+    forward_working: tuple[Sequence[float], Sequence[float]] | None = None
     remat: dict[int, tuple[list[float], list[float]]] = {}
     if profiles:
         measured = _from_profiles(profiles)
@@ -254,6 +256,8 @@ def plan(
         gradient_bytes = whole.param_bytes  # a gradient has its weight's dtype and size
         output_unsaved = whole.output_unsaved_bytes or None  # None: counted before the field
         passthrough = whole.output_passthrough_bytes or None
+        if whole.forward_working_bytes:  # counted before the fields: not modelled
+            forward_working = (whole.forward_working_bytes, whole.input_freed_bytes)
         saved_fixed = whole.saved_fixed_bytes or None
         if memory_budget is None:
             memory_budget = device.memory_bytes
@@ -298,8 +302,8 @@ def plan(
                     boundary_bytes=boundary_bytes, backward_bytes=backward_bytes,
                     backward_fixed=backward_fixed, own_saved=own_saved,
                     gradient_bytes=gradient_bytes, output_unsaved=output_unsaved,
-                    saved_fixed=saved_fixed, passthrough=passthrough, device=device,
-                    balance=balance)
+                    saved_fixed=saved_fixed, passthrough=passthrough,
+                    forward_working=forward_working, device=device, balance=balance)
                 plans += found
                 smallest = min(smallest, least)
     if not plans:
@@ -386,6 +390,7 @@ def _plans_for(
     output_unsaved: Sequence[float] | None = None,
     saved_fixed: Sequence[float] | None = None,
     passthrough: Sequence[float] | None = None,
+    forward_working: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[list[Plan], float]:
     """The plans that fit of schedule ``name`` with ``k * v`` stages on ``k`` devices, and
     the smallest peak memory of any of its configurations (fitting or not).
@@ -397,7 +402,10 @@ def _plans_for(
     ``output_unsaved`` (per layer), a stage that sends its output and runs its last layer with
     autograd keeps that output for its backward, per micro-batch in flight, where its last
     layer did not save it already. ``saved_fixed`` (per layer): the part of the saved bytes
-    that every micro-batch keeps whole, whatever its size (per-channel statistics)."""
+    that every micro-batch keeps whole, whatever its size (per-channel statistics).
+    ``forward_working`` (per layer: its forward's temporaries, and the part of its input freed
+    once it returns): what a re-materialized run's rerun holds beyond its rebuilt activations
+    while each layer runs again, inside the backward."""
     num_stages = k * v
 
     def per_stage(values: Sequence[float], a: int, b: int) -> float:
@@ -511,11 +519,14 @@ def _plans_for(
                 dict(forward=fwd, backward=bwd, backward_input=inp, backward_weight=wgt,
                      transfer=links, activation_bytes=acts, input_bytes=inputs,
                      output_bytes=outputs, gradient_bytes=grads,
-                     posted_receives=grads is not None, message_cpu=copies), layer_remat,
+                     posted_receives=grads is not None, inputs_held=grads is not None,
+                     message_cpu=copies), layer_remat,
                 gradient_bytes,
                 outputs_kept, None if passthrough is None else [p / m for p in passthrough],
                 None if output_unsaved is None or boundary_bytes is None else [
-                    (o - u) / m for o, u in zip(boundary_bytes, output_unsaved, strict=True)])
+                    (o - u) / m for o, u in zip(boundary_bytes, output_unsaved, strict=True)],
+                None if forward_working is None else (
+                    [w / m for w in forward_working[0]], [f / m for f in forward_working[1]]))
             for checkpoint in checkpoints:
                 if checkpoint == SELECTIVE or isinstance(checkpoint, Remat):
                     if isinstance(checkpoint, Remat):
@@ -549,7 +560,8 @@ def _plans_for(
                                input_bytes=inputs, output_bytes=outputs, gradient_bytes=grads,
                                backward_working_bytes=working,
                                first_backward_working_bytes=first_working,
-                               posted_receives=grads is not None, message_cpu=copies)
+                               posted_receives=grads is not None,
+                               inputs_held=grads is not None, message_cpu=copies)
                 kept = [x - g for x, g in zip(sim.peak_bytes, rank_grads, strict=True)]
                 peak = max(h + a for h, a in zip(held, kept, strict=True))
                 smallest = min(smallest, peak)
@@ -648,7 +660,9 @@ class _Selective:
                  layer_grads: Sequence[float] | None = None,
                  outputs_kept: Sequence[float] | None = None,
                  layer_passthrough: Sequence[float] | None = None,
-                 layer_saved_outputs: Sequence[float] | None = None) -> None:
+                 layer_saved_outputs: Sequence[float] | None = None,
+                 layer_forward_working: tuple[Sequence[float], Sequence[float]] | None = None
+                 ) -> None:
         self.stages = list(stages)
         self.actions = actions
         self.on_rank = on_rank
@@ -674,6 +688,9 @@ class _Selective:
         self.layer_passthrough = layer_passthrough
         # per layer: the part of its output it saved for its own backward, one micro-batch
         self.layer_saved_outputs = layer_saved_outputs
+        # per layer: its forward's temporaries, and its input freed once it returns, one
+        # micro-batch (None: not counted)
+        self.layer_forward_working = layer_forward_working
         self.simulate_kwargs = simulate_kwargs
 
     def _runs(self, s: int, keep: set[int]) -> list[list[int]]:
@@ -760,6 +777,9 @@ class _Selective:
             rebuilt = last not in keep and not self.actions.splits_backward
             # the gradient the stage received is held until its backward ends
             stage_received = 0.0 if last == b - 1 else self.layer_outputs[b - 1]
+            if last not in keep:
+                most = max(most, self._rerun(run) + self.layer_outputs[last]
+                           + stage_received - passed_from[last + 1 - a] + made_from[last - a])
             partial = 0.0
             for i in run:
                 partial += self.layer_bytes[i] if rebuilt else 0.0
@@ -768,6 +788,23 @@ class _Selective:
                 most = max(most, partial + self.layer_backward[i] + self.layer_outputs[last]
                            + received + stage_received - passed_from[i + 1 - a]
                            + made_from[i - a])
+        return most
+
+    def _rerun(self, run: list[int]) -> float:
+        """The most a recomputed run's rerun (the forward again, inside its backward) holds at
+        once beyond the run's input (kept apart): as each layer runs, the activations rebuilt
+        so far, its output (less what it saves of it), its temporaries and its input where
+        freed after it. Zero where the forward's temporaries are not known."""
+        if self.layer_forward_working is None or self.layer_saved_outputs is None:
+            return 0.0
+        temporaries, freed = self.layer_forward_working
+        rebuilt = most = 0.0
+        for i in run:
+            # the run's first layer: what it saves of its own (the run's input is kept apart)
+            rebuilt += (self.layer_own[i] if i == run[0] and self.layer_own is not None
+                        else self.layer_bytes[i])
+            most = max(most, rebuilt + self.layer_outputs[i] - self.layer_saved_outputs[i]
+                       + temporaries[i] + (freed[i] if i != run[0] else 0.0))
         return most
 
     def evaluate(self, keep: Sequence[set[int]]) -> tuple[Simulation, list[float]]:

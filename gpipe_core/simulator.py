@@ -56,6 +56,7 @@ def simulate(
     backward_working_bytes: Sequence[float] | None = None,
     first_backward_working_bytes: Sequence[float] | None = None,
     posted_receives: bool = False,
+    inputs_held: bool = False,
     message_cpu: float | Sequence[float] = 0.0,
     per_round: bool = False,
 ) -> Simulation:
@@ -103,7 +104,10 @@ def simulate(
     link's next receive as soon as the current one arrives (gloo's, :mod:`~gpipe_core.channel`),
     so a rank also holds one message-sized buffer per link it receives on from another rank
     (``input_bytes[s]`` for activations, ``output_bytes[s]`` for gradients) from the step's
-    start until that link's last message arrives.
+    start until that link's last message arrives. ``inputs_held``: the first stage's inputs are
+    views of the caller's batch (as the pipelines split it), alive through the whole step: its
+    rank holds all M of them (``input_bytes[0]`` each) from the start, and stage 0 keeps
+    nothing more for them per micro-batch.
 
     ``message_cpu``: seconds of each end's own compute a message across boundary ``s -> s+1``
     takes (one value, or one per boundary), where the two stages run on different ranks: a
@@ -136,7 +140,8 @@ def simulate(
                                 working_bytes=working_bytes, kept_bytes=kept_bytes,
                                 backward_working_bytes=backward_working_bytes,
                                 first_backward_working_bytes=first_backward_working_bytes,
-                                posted_receives=posted_receives, message_cpu=message_cpu)
+                                posted_receives=posted_receives, inputs_held=inputs_held,
+                                message_cpu=message_cpu)
                        for r in range(rounds)),
                       key=lambda sim: sim.step_time)
         return runs[(rounds - 1) // 2]
@@ -187,7 +192,11 @@ def simulate(
     peak_inflight = [0] * ranks
     memory = [_RankMemory() for _ in range(ranks)]
     sizes = _Sizes(activation_bytes, input_bytes, output_bytes, gradient_bytes, working_bytes,
-                   kept_bytes, backward_working_bytes, first_backward_working_bytes)
+                   kept_bytes, backward_working_bytes, first_backward_working_bytes,
+                   inputs_held and input_bytes is not None and activation_bytes is not None)
+    if sizes.inputs_held:
+        assert input_bytes is not None
+        memory[placement[0]].kept = m * float(input_bytes[0])
     if posted_receives and input_bytes is not None and output_bytes is not None:
         for s in range(k):  # each link this stage receives on from another rank: m messages
             r = placement[s]
@@ -287,6 +296,7 @@ class _Sizes:
     selective: Sequence[float] | None = None  # kept when re-materialized, if not the input
     backward_working: Sequence[float] | None = None  # a B or I's own, above all held
     first_backward_working: Sequence[float] | None = None  # a stage's first B, its gradients
+    inputs_held: bool = False  # stage 0's inputs: the caller's batch, held apart
 
     def first_backward(self, s: int) -> float | None:
         """What stage s's first B adds while it runs, the gradients it makes included."""
@@ -303,9 +313,14 @@ class _Sizes:
             return 0.0
         if rematerialized:
             if self.selective is not None:
-                return self.selective[s]
-            return self.input[s] if self.input is not None else 0.0
-        return self.activation[s]
+                kept = self.selective[s]
+            else:
+                kept = self.input[s] if self.input is not None else 0.0
+        else:
+            kept = self.activation[s]
+        if s == 0 and self.inputs_held and self.input is not None:
+            return max(kept - self.input[0], 0.0)
+        return kept
 
     def received(self, s: int) -> float:
         return self.input[s] if self.input is not None else 0.0

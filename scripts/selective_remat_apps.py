@@ -10,7 +10,9 @@ M of ``--chunks``:
    selective plan it chooses at a budget ``--share`` of the way from ``always``'s peak to
    ``never``'s. Each configuration then runs on 2 ranks (``gp.DistributedGPipe``, the plan's
    balance and ``checkpoint=``, one warm step with the optimizer); the measured per-rank peak
-   is the weights and optimizer state held plus the live-tensor peak of one more training step
+   is the weights and optimizer state held (and the batch's inputs on the first rank, its
+   targets on the last: the pipeline's micro-batches are views of them, held to their
+   backward) plus the live-tensor peak of one more training step
    (``scripts.harness.LiveTensorBytes``: gradients, activations, recomputation, messages,
    temporaries). The optimizer's own step is outside (its temporaries are not in the plan).
 2. *Time.* At ``--timing-chunks``, in the same two processes, ``always`` and the selective
@@ -60,6 +62,7 @@ import gpipe_core as gp
 from apps.planning import AppModel, MiB, _counted, budget_batch, budget_plan
 from apps.planning import measured_profile as app_profile
 from gpipe_core.launch import spawn
+from gpipe_core.microbatch import flatten
 from gpipe_core.schedule import Action
 from scripts.harness import LiveTensorBytes, provenance, setup_process, write_json
 
@@ -205,6 +208,11 @@ def measure_peak(app: App, balance: list[int], chunks: int, checkpoint: str) -> 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     held = _held_bytes(params, optimizer)
+    # the batch's parts this rank's stages hold (their micro-batches are views of them, kept
+    # to each one's backward): the inputs on the first rank, the targets on the last
+    held += sum(t.numel() * t.element_size() for part, mine in
+                ((batch[0], pipe.is_first), (batch[1], pipe.is_last)) if mine
+                for t in flatten(part)[0] if isinstance(t, torch.Tensor))
     state = [v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor)]
     with LiveTensorBytes([params, state, list(pipe.buffers()), batch[0], batch[1]]) as live:

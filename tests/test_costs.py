@@ -39,6 +39,14 @@ class EncoderBlock(nn.Module):
         return self.layer((x, x, pad, pad))[0]
 
 
+class TwoBranches(nn.Module):
+    """Two branches concatenated, as an AmoebaNet cell ends: the branches' outputs exist only
+    while the layer runs, beside the concatenation made of them; nothing is saved."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x * 2.0, x * 3.0], dim=1)
+
+
 def small_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.LayerNorm(12),
                          SquareOfViews(), nn.Tanh(), nn.Linear(12, 4))
@@ -86,6 +94,30 @@ def test_outputs_a_layer_did_not_save_and_saved_bytes_that_do_not_grow_with_the_
     sixteen = gp.layer_costs(model, torch.randn(16, 8))
     assert four.scaled(16).saved_bytes == sixteen.saved_bytes
     assert four.scaled(16).output_unsaved_bytes == sixteen.output_unsaved_bytes
+
+
+def test_what_a_forward_holds_only_while_it_runs_is_the_hand_count() -> None:
+    # TwoBranches on a (4, 16) float input (256 bytes): two branch outputs of 256 bytes beside
+    # the 512-byte concatenation, which alone remains; on the ReLU's (4, 32), twice that. A
+    # layer's input is freed once it returns where neither it nor the layer before saved it:
+    # TwoBranches' after the Linear (which saves its input, not its output), the ReLU's (it
+    # saves its output), not TwoBranches' after the ReLU; the model's input (the caller's) never
+    model = nn.Sequential(nn.Linear(8, 16), TwoBranches(), nn.ReLU(), TwoBranches())
+    costs = gp.layer_costs(model, torch.randn(4, 8))
+    size = 4 * 16 * 4
+    assert costs.forward_working_bytes == [0.0, 2 * size, 0.0, 4 * size]
+    assert costs.input_freed_bytes == [0.0, size, 2 * size, 0.0]
+    # and they are what a real run holds at its peak: the chain's state after the layer
+    # before, plus the layer's new storages at their most
+    x = torch.randn(4, 8)
+    with LiveTensorBytes([x, *model.parameters()]) as live:
+        h = model[0](x.requires_grad_())
+        before = live.current
+        h = model[1](h)
+        after = live.current
+        assert live.peak == after + costs.forward_working_bytes[1] + costs.input_freed_bytes[1]
+        assert after == before - size + 2 * size  # its input freed, its output made
+        del h
 
 
 def test_linear_flops_are_the_hand_count() -> None:

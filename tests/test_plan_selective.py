@@ -206,6 +206,66 @@ def _held_between_forward_and_backward(model: nn.Sequential, x: torch.Tensor,
     return held
 
 
+class _TwoBranches(nn.Module):
+    """Two branches concatenated (an AmoebaNet cell's end): their outputs exist only while the
+    layer runs, beside the concatenation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x * 2.0, x * 3.0], dim=1)
+
+
+def test_a_recomputed_runs_rerun_is_counted_with_its_forwards_temporaries() -> None:
+    """A recomputed run's backward first runs its forward again; where a layer's forward holds
+    more while it runs than it leaves (branches beside their concatenation), that moment can be
+    the stage's peak (the AmoebaNet app's first rank under ``always``). The planner's rerun
+    count is exactly what the forward with autograd holds at its most (the run's input apart),
+    and the stage's kept plus working bytes stay above what its whole backward holds."""
+    from gpipe_core.costs import _Allocations
+    from gpipe_core.planner import _Selective
+
+    torch.manual_seed(0)
+    # Tanh saves its output, not its input (the run's input, kept apart, is not rebuilt)
+    model = nn.Sequential(nn.Tanh(), _TwoBranches(), nn.Linear(64, 32), _TwoBranches(),
+                          nn.ReLU())
+    x = torch.randn(16, 32)
+    costs = gp.layer_costs(model, x)
+    model_of = _Selective(
+        [(0, 5)], gp.fill_drain(1, 1), [[0]], [0.0], costs.forward_flops,
+        [s + i for s, i in zip(costs.saved_bytes, costs.saved_input_bytes, strict=True)],
+        costs.input_bytes, costs.backward_bytes, costs.output_bytes, costs.saved_bytes, {},
+        layer_saved_outputs=[o - u for o, u in zip(costs.output_bytes,
+                                                   costs.output_unsaved_bytes, strict=True)],
+        layer_forward_working=(costs.forward_working_bytes, costs.input_freed_bytes))
+    from scripts.harness import LiveTensorBytes
+
+    for run in ([0, 1, 2, 3, 4], [1, 2], [2, 3, 4], [3]):
+        start = x.requires_grad_()
+        with torch.no_grad():
+            for i in range(run[0]):
+                start = model[i](start)
+        start = start.detach().requires_grad_()
+        with LiveTensorBytes([start, *model.parameters()]) as live:
+            h = start
+            for i in run:
+                h = model[i](h)
+            del h
+        assert model_of._rerun(run) == live.peak, run
+    # and the whole backward stays within the count, for every choice of kept layers
+    for count in range(6):
+        for kept in itertools.combinations(range(5), count):
+            stage = _stage_keeping(model, kept)
+            model.zero_grad(set_to_none=True)
+            stage.begin_step(0, 1)
+            grad = torch.ones(16, 64)
+            with _Allocations() as allocations:
+                stage.forward(0, 0, x.clone().requires_grad_())
+                stage.backward(0, 0, [grad])
+            measured = (allocations.peak([p.grad for p in model.parameters()])
+                        + grad.numel() * grad.element_size())
+            assert measured <= model_of.kept_bytes(0, set(kept)) + model_of.working(
+                0, set(kept)), kept
+
+
 def test_the_memory_model_is_what_a_stage_holds() -> None:
     """For every choice of kept layers of a stage, the bytes it holds between forward and
     backward (live tensor storage, its input included) equal the planner's per-micro-batch
