@@ -29,7 +29,11 @@ time could take on these ranks. Per row: ``bound_seconds`` (median over the time
 the wait inside actions for a neighbour's message, and the rest of the step, outside any
 action: before the first (the fill: a rank without the first stage learns the step from the
 first activation), between actions (the transport's sends and receives, the loss, Python) and
-after the last until the slowest rank ends (the drain).
+after the last until the slowest rank ends (the drain). torch's steps get the same account
+from the same rounds (:func:`time_torch_actions`): compute is its stages'
+``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk`` and the schedule's
+loss, wait its schedule's ``_wait_batch_p2p`` (which also waits for its sends to complete), so
+where one library's step is slower the two accounts say in which part.
 
 Writes the result (every row with its per-round samples, and ``scripts.harness.provenance``:
 commit, torch, UTC time, machine, load before and after) to ``--json`` (default ``docs/reproduction/bench_pipeline.json``, the file the pages
@@ -205,9 +209,10 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
                 balances[(impl, schedule)] = balance
         times: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
         peaks: dict[tuple[str, str], tuple[float | None, float | None, float]] = {}
-        # this rank's (compute, wait) of every timed step of our pipelines
+        # this rank's (compute, wait, lead, between) of every timed step of both libraries'
+        # pipelines
         spent: dict[tuple[str, str], list[tuple[float, ...]]] = {
-            key: [] for key, fn in configs.items() if hasattr(fn, "pipe")}
+            key: [] for key in configs if key[0] != "plain"}
         for round_ in range(args.warmup + args.steps):
             for key in round_order(list(configs), round_, args.order):
                 fn = configs[key]
@@ -215,13 +220,16 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
                     peaks[key] = (*step_memory_mb(fn), step_tensor_mb(fn))
                     continue
                 started: list[float] = []  # when this rank began the step
-                if key in spent:
+                if hasattr(fn, "pipe"):
                     fn.pipe.timeline.clear()  # this step's actions only
+                _TORCH_CALLS.clear()
                 seconds = timed_step(functools.partial(_started, fn, started))
                 if round_ >= args.warmup:
                     times[key].append(seconds)
-                    if key in spent:
+                    if hasattr(fn, "pipe"):
                         spent[key].append(action_time(fn.pipe.timeline, started[0]))
+                    elif key in spent:
+                        spent[key].append(torch_action_time(_TORCH_CALLS, started[0]))
         for (impl, schedule), samples in times.items():
             rank_peaks: list[Any] = [None] * K
             dist.all_gather_object(rank_peaks, peaks[(impl, schedule)])
@@ -238,6 +246,57 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> str | None:
                 row.update(bound(per_rank, samples))
             rows.append(row)
     return json.dumps(rows) if rank == 0 else None
+
+
+# torch.distributed.pipelining's timed calls in this process: (compute?, start, end)
+_TORCH_CALLS: list[tuple[bool, float, float]] = []
+
+
+def _timed(fn: Callable[..., Any], compute: bool) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TORCH_CALLS.append((compute, start, time.perf_counter()))
+
+    return timed
+
+
+def time_torch_actions() -> None:
+    """Time torch.distributed.pipelining's actions in this process as our timeline times ours
+    (once per process; a perf_counter pair around each call): its stages' forward, backward and
+    weight-gradient calls and its schedule's loss as compute, its schedule's waits for a batch
+    of messages as wait."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import stage as stages
+
+    if getattr(schedules, "_bench_pipeline_timed", False):
+        return
+    base = stages._PipelineStageBase
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        setattr(base, name, _timed(getattr(base, name), compute=True))
+    schedules._PipelineSchedule._maybe_compute_loss = _timed(  # type: ignore[method-assign]
+        schedules._PipelineSchedule._maybe_compute_loss, compute=True)
+    schedules._wait_batch_p2p = _timed(schedules._wait_batch_p2p, compute=False)
+    schedules._bench_pipeline_timed = True  # type: ignore[attr-defined]
+
+
+def torch_action_time(calls: list[tuple[bool, float, float]], start: float
+                      ) -> tuple[float, float, float, float]:
+    """One torch step's account on this rank, as :func:`action_time` gives ours: (compute,
+    wait, lead: from the step's start to its first call, between: the gaps between calls). A
+    call inside another (none in torch 2.14's schedules) counts once, in the outer one."""
+    outer: list[tuple[bool, float, float]] = []
+    for call in sorted(calls, key=lambda c: c[1]):
+        if not outer or call[1] >= outer[-1][2]:
+            outer.append(call)
+    compute = sum(end - begin for is_compute, begin, end in outer if is_compute)
+    wait = sum(end - begin for is_compute, begin, end in outer if not is_compute)
+    lead = outer[0][1] - start if outer else 0.0
+    between = sum(max(0.0, b[1] - a[2]) for a, b in zip(outer, outer[1:], strict=False))
+    return compute, wait, lead, between
 
 
 def _started(fn: Callable[[], Any], started: list[float]) -> Any:
@@ -337,6 +396,7 @@ def make_step(impl: str, schedule: str, model: nn.Sequential, balance: list[int]
         return ours
     from torch.distributed import pipelining
 
+    time_torch_actions()
     factory = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
                "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
                "interleaved_zb": pipelining.ScheduleInterleavedZeroBubble,

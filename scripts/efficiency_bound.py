@@ -80,6 +80,8 @@ SPLIT = ("zb_h1", "zb_h2")  # schedules whose backward runs as I then W, one sta
 # them, after the last (the drain)
 CAUSES = ("compute_per_rank", "wait_per_rank", "outside_actions_per_rank", "fill_per_rank",
           "between_actions_per_rank", "drain_per_rank")
+# what torch's steps are accounted by too (bench_pipeline times its calls)
+TORCH_CAUSES = CAUSES[:3]
 
 
 def bench_arguments(family: str, args: Namespace, balances: dict[str, list[int]]) -> list[str]:
@@ -238,6 +240,12 @@ def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, f
         torch_rows[s] = {"torch_seconds": median_of(("torch.pipelining", s), "seconds"),
                          "torch_over_ours": median_of(("torch.pipelining", s), "seconds")
                          / schedules[s]["seconds"], "ours_won": won, "rounds": rounds}
+        theirs_ran = [rows[("torch.pipelining", s)] for rows in launches]
+        if all(field in r for r in theirs_ran for field in TORCH_CAUSES):
+            # torch's own account of the same rounds (bench_pipeline times its calls)
+            for field in TORCH_CAUSES:
+                torch_rows[s][f"torch_{field}"] = [
+                    statistics.median(r[field][rank] for r in theirs_ran) for rank in range(K)]
     row: dict[str, Any] = {
         "family": family, "M": M, "K": K, "launches": len(reports),
         "schedules": schedules, "fastest": fastest,
@@ -287,6 +295,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         for name, t in row["torch"].items():
             print(f"  vs torch.pipelining {name}: torch/ours {t['torch_over_ours']:.3f}, ours "
                   f"faster in {t['ours_won']}/{t['rounds']} paired rounds")
+            if "torch_compute_per_rank" in t:
+                theirs = ("/".join(f"{x * 1e3:.0f}" for x in t[f"torch_{key}"])
+                          for key in TORCH_CAUSES)
+                print("    torch's compute/wait/outside per rank: "
+                      + ", ".join(theirs) + " ms; ours: " + ", ".join(
+                          "/".join(f"{x * 1e3:.0f}" for x in s[name][key])
+                          for key in TORCH_CAUSES) + " ms")
         if not row["bound_goal_met"]:
             v = s[row["fastest"]]
             print(f"  where {row['fastest']}'s time went, per rank (ms): " + "; ".join(
@@ -294,7 +309,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 f"{v['wait_per_rank'][r] * 1e3:.1f}, between actions "
                 f"{v['between_actions_per_rank'][r] * 1e3:.1f}, drain "
                 f"{v['drain_per_rank'][r] * 1e3:.1f}" for r in range(K)))
-        if "split_excess_per_rank" in row:
+        if row.get("split_excess_per_rank"):
             print("  I+W split's compute above 1F1B's B, per rank: " + ", ".join(
                 f"{n} " + "/".join(f"{x * 1e3:+.1f}" for x in v) + " ms"
                 for n, v in row["split_excess_per_rank"].items()))

@@ -46,8 +46,15 @@ def test_efficiency_bound_summarizes_its_launches(tmp_path: Path) -> None:
     fastest = min(row["schedules"], key=lambda s: row["schedules"][s]["seconds"])
     assert row["fastest"] == fastest
     assert row["bound_goal_met"] == (row["schedules"][fastest]["bound_efficiency"] >= 0.95)
-    for versus in row["torch"].values():
+    for name, versus in row["torch"].items():
         assert versus["rounds"] == 4 and 0 <= versus["ours_won"] <= 4
+        # torch's own account of the same rounds, as ours is summarized
+        theirs = [next(r for r in rows if (r["impl"], r["schedule"]) == ("torch.pipelining", name))
+                  for rows in launches]
+        for cause in ("compute_per_rank", "wait_per_rank", "outside_actions_per_rank"):
+            assert versus[f"torch_{cause}"] == [
+                statistics.median(r[cause][rank] for r in theirs) for rank in range(2)]
+        assert min(versus["torch_compute_per_rank"]) > 0
     assert set(row["torch"]) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zb_v",
                                  "dualpipe_v"}
     for key in ("plan", "plan_counted"):  # priced by measured seconds, by counted costs
