@@ -747,7 +747,9 @@ class _Selective:
         the simulation counts), and the layer's own backward (the gradient it receives,
         temporaries, its parameters' fresh gradients, its input's gradient); less what the kept layers it has passed saved of
         their own making (their intermediates and outputs, which only later layers read: all
-        passed by then). What they saved of their inputs is not subtracted (an earlier layer
+        passed by then). Before a recomputed run's backward, its forward runs again
+        (:meth:`_rerun`): a layer whose forward holds temporaries beside what it leaves (an
+        AmoebaNet cell's concatenation) can make that the larger moment. What they saved of their inputs is not subtracted (an earlier layer
         may still hold it: AmoebaNet's cells read the two previous outputs), nor what the
         stage's last layer saved of its output (held to the end; all it saved where that is not
         known), so the count stays an upper bound; it
