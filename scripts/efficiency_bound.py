@@ -80,8 +80,8 @@ SPLIT = ("zb_h1", "zb_h2")  # schedules whose backward runs as I then W, one sta
 # them, after the last (the drain)
 CAUSES = ("compute_per_rank", "wait_per_rank", "outside_actions_per_rank", "fill_per_rank",
           "between_actions_per_rank", "drain_per_rank")
-# what torch's steps are accounted by too (bench_pipeline times its calls)
-TORCH_CAUSES = CAUSES[:3]
+# the causes both libraries' steps are accounted by (bench_pipeline times torch's calls too)
+SHARED_CAUSES = CAUSES[:3]
 
 
 def bench_arguments(family: str, args: Namespace, balances: dict[str, list[int]]) -> list[str]:
@@ -241,9 +241,9 @@ def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, f
                          "torch_over_ours": median_of(("torch.pipelining", s), "seconds")
                          / schedules[s]["seconds"], "ours_won": won, "rounds": rounds}
         theirs_ran = [rows[("torch.pipelining", s)] for rows in launches]
-        if all(field in r for r in theirs_ran for field in TORCH_CAUSES):
+        if all(field in r for r in theirs_ran for field in SHARED_CAUSES):
             # torch's own account of the same rounds (bench_pipeline times its calls)
-            for field in TORCH_CAUSES:
+            for field in SHARED_CAUSES:
                 torch_rows[s][f"torch_{field}"] = [
                     statistics.median(r[field][rank] for r in theirs_ran) for rank in range(K)]
     row: dict[str, Any] = {
@@ -277,6 +277,11 @@ def summarize(family: str, reports: list[dict[str, Any]], predicted: dict[str, f
     return row
 
 
+def _ms(per_rank: list[float]) -> str:
+    """Seconds per rank as whole milliseconds, rank 0 first: "145/171"."""
+    return "/".join(f"{x * 1e3:.0f}" for x in per_rank)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"K={K}, M={M}; medians over launches; bound = the busiest rank's own compute")
     for row in rows:
@@ -288,20 +293,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"  {'schedule':<17}{'s/step':>9}{'bound s':>9}{'bound/step':>11}"
               f"{'compute/rank':>15}{'wait/rank':>13}{'outside/rank':>15}")
         for name, v in s.items():
-            compute, wait, outside = ("/".join(f"{x * 1e3:.0f}" for x in v[key]) for key in (
-                "compute_per_rank", "wait_per_rank", "outside_actions_per_rank"))
+            compute, wait, outside = (_ms(v[key]) for key in SHARED_CAUSES)
             print(f"  {name:<17}{v['seconds']:>9.4f}{v['bound_seconds']:>9.4f}"
                   f"{v['bound_efficiency']:>11.3f}{compute:>15}{wait:>13}{outside:>15}  (ms)")
         for name, t in row["torch"].items():
             print(f"  vs torch.pipelining {name}: torch/ours {t['torch_over_ours']:.3f}, ours "
                   f"faster in {t['ours_won']}/{t['rounds']} paired rounds")
             if "torch_compute_per_rank" in t:
-                theirs = ("/".join(f"{x * 1e3:.0f}" for x in t[f"torch_{key}"])
-                          for key in TORCH_CAUSES)
                 print("    torch's compute/wait/outside per rank: "
-                      + ", ".join(theirs) + " ms; ours: " + ", ".join(
-                          "/".join(f"{x * 1e3:.0f}" for x in s[name][key])
-                          for key in TORCH_CAUSES) + " ms")
+                      + ", ".join(_ms(t[f"torch_{key}"]) for key in SHARED_CAUSES)
+                      + " ms; ours: " + ", ".join(_ms(s[name][key]) for key in SHARED_CAUSES)
+                      + " ms")
         if not row["bound_goal_met"]:
             v = s[row["fastest"]]
             print(f"  where {row['fastest']}'s time went, per rank (ms): " + "; ".join(

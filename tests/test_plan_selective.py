@@ -206,6 +206,25 @@ def _held_between_forward_and_backward(model: nn.Sequential, x: torch.Tensor,
     return held
 
 
+def _held_through_forward_and_backward(model: nn.Sequential, x: torch.Tensor,
+                                       kept: tuple[int, ...]) -> int:
+    """The most a stage of ``model`` keeping ``kept`` holds at once through one micro-batch's
+    forward and backward (live storages created inside, its input's copy included; parameter
+    gradients left to the optimizer's memory), plus the gradient it receives (all ones)."""
+    from gpipe_core.costs import _Allocations
+
+    stage = _stage_keeping(model, kept)
+    model.zero_grad(set_to_none=True)
+    stage.begin_step(0, 1)
+    with torch.no_grad():
+        grad = torch.ones_like(model(x))
+    with _Allocations() as allocations:
+        stage.forward(0, 0, x.clone().requires_grad_())
+        stage.backward(0, 0, [grad])
+    return (allocations.peak([p.grad for p in model.parameters()])
+            + grad.numel() * grad.element_size())
+
+
 class _TwoBranches(nn.Module):
     """Two branches concatenated (an AmoebaNet cell's end): their outputs exist only while the
     layer runs, beside the concatenation."""
@@ -220,8 +239,8 @@ def test_a_recomputed_runs_rerun_is_counted_with_its_forwards_temporaries() -> N
     the stage's peak (the AmoebaNet app's first rank under ``always``). The planner's rerun
     count is exactly what the forward with autograd holds at its most (the run's input apart),
     and the stage's kept plus working bytes stay above what its whole backward holds."""
-    from gpipe_core.costs import _Allocations
     from gpipe_core.planner import _Selective
+    from scripts.harness import LiveTensorBytes
 
     torch.manual_seed(0)
     # Tanh saves its output, not its input (the run's input, kept apart, is not rebuilt)
@@ -236,10 +255,8 @@ def test_a_recomputed_runs_rerun_is_counted_with_its_forwards_temporaries() -> N
         layer_saved_outputs=[o - u for o, u in zip(costs.output_bytes,
                                                    costs.output_unsaved_bytes, strict=True)],
         layer_forward_working=(costs.forward_working_bytes, costs.input_freed_bytes))
-    from scripts.harness import LiveTensorBytes
-
     for run in ([0, 1, 2, 3, 4], [1, 2], [2, 3, 4], [3]):
-        start = x.requires_grad_()
+        start = x
         with torch.no_grad():
             for i in range(run[0]):
                 start = model[i](start)
@@ -253,17 +270,8 @@ def test_a_recomputed_runs_rerun_is_counted_with_its_forwards_temporaries() -> N
     # and the whole backward stays within the count, for every choice of kept layers
     for count in range(6):
         for kept in itertools.combinations(range(5), count):
-            stage = _stage_keeping(model, kept)
-            model.zero_grad(set_to_none=True)
-            stage.begin_step(0, 1)
-            grad = torch.ones(16, 64)
-            with _Allocations() as allocations:
-                stage.forward(0, 0, x.clone().requires_grad_())
-                stage.backward(0, 0, [grad])
-            measured = (allocations.peak([p.grad for p in model.parameters()])
-                        + grad.numel() * grad.element_size())
-            assert measured <= model_of.kept_bytes(0, set(kept)) + model_of.working(
-                0, set(kept)), kept
+            assert _held_through_forward_and_backward(model, x, kept) <= (
+                model_of.kept_bytes(0, set(kept)) + model_of.working(0, set(kept))), kept
 
 
 def test_the_memory_model_is_what_a_stage_holds() -> None:
@@ -289,21 +297,11 @@ def test_the_backward_of_any_choice_stays_within_the_planned_working_bytes() -> 
     terms are all there is; it over-counts where the backward frees kept activations on the way
     that it does not subtract (what a layer saved of its inputs). (It fails when a run's spent outputs and gradients are held
     until the stage's backward ends.)"""
-    from gpipe_core.costs import _Allocations
-
     model, x, costs, model_of = _six_layer_stage()
     ratios = []
     for count in range(7):
         for kept in itertools.combinations(range(6), count):
-            stage = _stage_keeping(model, kept)
-            model.zero_grad(set_to_none=True)
-            stage.begin_step(0, 1)
-            grad = torch.ones(16, 32)
-            with _Allocations() as allocations:
-                stage.forward(0, 0, x.clone().requires_grad_())
-                stage.backward(0, 0, [grad])
-            measured = (allocations.peak([p.grad for p in model.parameters()])
-                        + grad.numel() * grad.element_size())
+            measured = _held_through_forward_and_backward(model, x, kept)
             predicted = model_of.kept_bytes(0, set(kept)) + model_of.working(0, set(kept))
             assert measured <= predicted <= 1.5 * measured, kept
             ratios.append(predicted / measured)
