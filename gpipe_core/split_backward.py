@@ -3,9 +3,8 @@ r"""A backward in two passes: the inputs' gradient now (I), the parameters' grad
 Zero-bubble schedules send the gradient of a stage's input as early as possible and compute the
 parameters' gradient later, where it fills what would be a bubble. Autograd computes the first
 alone when asked for the inputs only; the second must then start where the first pass left the
-graph, or it would repeat the whole backward. :func:`backward_input` asks autograd, in the same
-pass as the inputs' gradient, for the gradient arriving at every *boundary* (a ``GradientEdge``
-per output of the boundary's forward): a node on the path to the inputs (run by I) with an
+graph, or it would repeat the whole backward. While :func:`backward_input` runs, it captures
+the gradient arriving at every *boundary*: a node on the path to the inputs (run by I) with an
 edge towards parameters that leaves that path::
 
     roots (outputs or loss)
@@ -34,14 +33,6 @@ in W.
 
 Between I and W the stage keeps its autograd graph and the captured gradients (about one
 activation per boundary).
-
-The analysis (which nodes are on the input path, which parameters form a group, where each
-group's W starts) is Python over every node of the graph, milliseconds per micro-batch on a
-stage of many small layers, and every micro-batch of a stage builds a graph of the same shape.
-A :class:`SplitLayouts` kept by the caller holds it across micro-batches as positions in the
-order a walk from the roots meets the nodes: a graph whose walk gives the same node types, the
-same edges, the same parameters at the same places and the same inputs and roots reuses it;
-any other graph is analysed anew (and its layout kept too).
 """
 
 from __future__ import annotations
@@ -57,7 +48,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from . import weight_grads
 
-__all__ = ["PendingWeights", "SplitLayouts", "backward_input"]
+__all__ = ["PendingWeights", "backward_input"]
 
 Grads = list[Tensor | None]
 
@@ -111,114 +102,17 @@ class PendingWeights:
                     handle.remove()
 
 
-class _Layout:
-    """The analysis of one graph shape, in positions (:func:`_walk`'s order): each deferred
-    group's parameters (indices into ``params``), boundaries, roots (indices into the roots)
-    and branches; the parameters I computes; the boundaries whose gradients I captures."""
-
-    def __init__(self, groups: list[_Group], eager: list[Tensor], boundaries: list[Node],
-                 runs_path: bool, params: Sequence[Tensor], root_edges: Sequence[GradientEdge],
-                 index: dict[Node, int]) -> None:
-        param_index = {id(p): i for i, p in enumerate(params)}
-        root_index = {(id(edge.node), edge.output_nr): i for i, edge in enumerate(root_edges)}
-        self.groups = [(
-            [param_index[id(p)] for p in group.params],
-            [index[node] for node in group.boundaries],
-            [root_index[(id(edge.node), edge.output_nr)] for edge, _ in group.roots],
-            [index[node] for node in group.branches],
-        ) for group in groups]
-        self.eager = [param_index[id(p)] for p in eager]
-        self.boundaries = [index[node] for node in boundaries]
-        self.runs_path = runs_path
-
-    def build(self, order: list[Node], params: Sequence[Tensor],
-              roots: Sequence[tuple[GradientEdge, Tensor]]
-              ) -> tuple[list[_Group], list[Tensor], list[Node], bool]:
-        """The groups, I's parameters, the boundaries and whether I walks a path to the
-        inputs, for a graph of this shape."""
-        groups = []
-        for param_ids, boundary_ids, root_ids, branch_ids in self.groups:
-            group = _Group()
-            group.params = [params[i] for i in param_ids]
-            group.boundaries = [order[i] for i in boundary_ids]
-            group.roots = [roots[i] for i in root_ids]
-            group.branches = {order[i] for i in branch_ids}
-            groups.append(group)
-        return (groups, [params[i] for i in self.eager],
-                [order[i] for i in self.boundaries], self.runs_path)
-
-
-class SplitLayouts:
-    """:func:`backward_input`'s analysis kept across micro-batches, by the graph's shape (a
-    stage keeps one: its micro-batches' graphs share a shape, a selective stage's runs one
-    each). ``misses`` counts the graphs analysed anew. Holds at most ``size`` shapes; a
-    graph that changes shape every micro-batch is analysed every time, as without it."""
-
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
-        self.misses = 0
-        self._layouts: dict[Any, _Layout] = {}
-
-    def get(self, key: Any) -> _Layout | None:
-        return self._layouts.get(key)
-
-    def put(self, key: Any, layout: _Layout) -> None:
-        self.misses += 1
-        if len(self._layouts) >= self.size:
-            self._layouts.clear()
-        self._layouts[key] = layout
-
-
-def _walk(roots: Sequence[Node], params: Sequence[Tensor]
-          ) -> tuple[list[Node], dict[Node, int], tuple[Any, ...]]:
-    """Every node reachable from ``roots`` in the order a breadth-first walk meets them, each
-    node's position, and the graph's shape: per node its type, its edges (the position and
-    input each leads to, -1 for none) and, for a parameter's accumulator, which parameter."""
-    param_index = {id(p): i for i, p in enumerate(params)}
-    accumulator = _accumulator_type()
-    order: list[Node] = []
-    index: dict[Node, int] = {}
-    for node in roots:
-        if node is not None and node not in index:
-            index[node] = len(order)
-            order.append(node)
-    shape: list[Any] = []
-    position = 0
-    while position < len(order):
-        node = order[position]
-        position += 1
-        edges = []
-        for child, input_nr in node.next_functions:
-            if child is None:
-                edges.append(-1)
-                continue
-            at = index.get(child)
-            if at is None:
-                at = index[child] = len(order)
-                order.append(child)
-            edges.append(at)
-            edges.append(input_nr)
-        kind = type(node)
-        if kind is accumulator:
-            shape.append((kind, param_index.get(id(node.variable))))  # type: ignore[attr-defined]
-        else:
-            shape.append((kind, tuple(edges)))
-    return order, index, tuple(shape)
-
-
 def backward_input(
     roots: Sequence[Tensor],
     root_grads: Sequence[Tensor | None],
     inputs: Sequence[Any],
     params: Sequence[Tensor],
-    layouts: SplitLayouts | None = None,
 ) -> tuple[Grads, PendingWeights]:
     """Gradients of ``inputs`` (None where an input is not a tensor that requires grad), and
     the parameters' part for later.
 
     ``roots``: the stage's outputs (or loss) that require grad; ``root_grads``: their
     gradients (None: ones, as for a loss). The graph is kept for :meth:`PendingWeights.run`.
-    ``layouts``: where the analysis of graphs of this shape is kept (None: analysed anew).
     """
     grads = [torch.ones_like(t) if g is None else g for t, g in zip(roots, root_grads, strict=True)]
     root_edges = [get_gradient_edge(t) for t in roots]
@@ -229,65 +123,40 @@ def backward_input(
         whole.params = list(params)
         whole.roots = list(zip(root_edges, grads, strict=True))
         return [None] * len(inputs), PendingWeights([whole] if roots else [], {})
+    parents = _parents([edge.node for edge in root_edges])
     wanted = [(i, x) for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
     input_nodes = [get_gradient_edge(x).node for _, x in wanted]
-    root_nodes = [edge.node for edge in root_edges]
-    if layouts is None:
-        groups, eager, boundaries, runs_path = _analyse(params, root_nodes, input_nodes,
-                                                        root_edges, grads)
-    else:
-        order, index, shape = _walk(root_nodes, params)
-        key = (shape, tuple(index.get(node, -1) for node in input_nodes),
-               tuple((index[edge.node], edge.output_nr) for edge in root_edges))
-        layout = layouts.get(key)
-        if layout is None:
-            groups, eager, boundaries, runs_path = _analyse(params, root_nodes, input_nodes,
-                                                            root_edges, grads)
-            layouts.put(key, _Layout(groups, eager, boundaries, runs_path, params, root_edges,
-                                     index))
-        else:
-            groups, eager, boundaries, runs_path = layout.build(
-                order, params, list(zip(root_edges, grads, strict=True)))
-    captured: dict[Node, tuple[Tensor | None, ...]] = {}
-    result: Grads = [None] * len(inputs)
-    if runs_path:
-        # each boundary's gradient (one per output of its forward) asked of the same pass
-        counts = [len(node._input_metadata) for node in boundaries]
-        edges = [GradientEdge(node, i)
-                 for node, n in zip(boundaries, counts, strict=True) for i in range(n)]
-        asked = [get_gradient_edge(x) for _, x in wanted] + [get_gradient_edge(p) for p in eager]
-        computed = torch.autograd.grad(
-            list(roots), asked + edges, grads, retain_graph=True, allow_unused=True
-        )
-        for (position, _), grad in zip(wanted, computed[:len(wanted)], strict=True):
-            result[position] = grad
-        with torch.no_grad():
-            for param, grad in zip(eager, computed[len(wanted):len(wanted) + len(eager)],
-                                   strict=True):
-                _accumulate(param, grad)
-        at = len(wanted) + len(eager)
-        for node, n in zip(boundaries, counts, strict=True):
-            captured[node] = tuple(computed[at:at + n])
-            at += n
-    return result, PendingWeights(groups, captured)
-
-
-def _analyse(params: Sequence[Tensor], root_nodes: list[Node], input_nodes: list[Node],
-             root_edges: Sequence[GradientEdge], grads: Sequence[Tensor]
-             ) -> tuple[list[_Group], list[Tensor], list[Node], bool]:
-    """The groups W computes, the parameters I computes on its way, the boundaries whose
-    gradients I captures, and whether I walks a path to the inputs at all."""
-    parents = _parents(root_nodes)
     on_path = _reaching(input_nodes, parents)
     groups, _ = _group_params(params, parents, on_path, root_edges, grads)
-    runs_path = bool(input_nodes and on_path)
+    runs_path = bool(wanted and on_path)
     now: list[_Group] = []  # computed by I on its way; the rest wait for W
     later: list[_Group] = []
     for group in groups:
         (now if runs_path and not _worth_deferring(group) else later).append(group)
+    groups = later
     eager = [p for g in now for p in g.params]
-    boundaries = list({node: None for g in later for node in g.boundaries})
-    return later, eager, boundaries, runs_path
+    boundaries = list({node: None for g in groups for node in g.boundaries})
+    captured: dict[Node, tuple[Tensor | None, ...]] = {}
+    handles = [node.register_prehook(_capture(captured, node)) for node in boundaries]
+    result: Grads = [None] * len(inputs)
+    try:
+        if runs_path:
+            computed = torch.autograd.grad(
+                list(roots), [x for _, x in wanted] + eager, grads, retain_graph=True,
+                allow_unused=True
+            )
+            for (position, _), grad in zip(wanted, computed[:len(wanted)], strict=True):
+                result[position] = grad
+            with torch.no_grad():
+                for param, grad in zip(eager, computed[len(wanted):], strict=True):
+                    _accumulate(param, grad)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [node for node in boundaries if node not in captured]
+    if missing:  # cannot happen: I runs every node on the path to the inputs
+        raise RuntimeError(f"backward_input did not reach {missing}; please report this")
+    return result, PendingWeights(groups, captured)
 
 
 def _run_directly(group: _Group, captured: dict[Node, tuple[Tensor | None, ...]]) -> bool:
@@ -387,6 +256,13 @@ def _accumulate(param: Tensor, grad: Tensor | None) -> None:
         param.grad = torch.empty_like(param).copy_(grad)
     else:
         param.grad += grad
+
+
+def _capture(captured: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Any:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        captured[node] = grad_outputs
+
+    return hook
 
 
 def _parents(roots: Sequence[Node | None]) -> dict[Node, list[Node]]:

@@ -49,7 +49,7 @@ from .remat import (
     layer_seeds,
     seed_rng,
 )
-from .split_backward import PendingWeights, SplitLayouts
+from .split_backward import PendingWeights
 from .split_backward import backward_input as split_backward_input
 
 __all__ = ["Stage", "StagePosition", "LossFn"]
@@ -153,8 +153,6 @@ class Stage(StagePosition):
         ]
         self._deferred = [m for m in self._batchnorms if isinstance(m, DeferredBatchNorm)]
         self._saved: dict[tuple[int, int], _Saved] = {}
-        # a split backward's analysis of the graph, kept across micro-batches (same shape)
-        self._split_layouts: SplitLayouts | None = SplitLayouts()
         # The parameters that take gradients, read once per step (a walk over every module:
         # milliseconds on a stage of many small layers, once per micro-batch otherwise).
         self._trainable: tuple[int | None, list[Tensor]] = (None, [])
@@ -332,8 +330,7 @@ class Stage(StagePosition):
             if tensors and not tensors[0].requires_grad:
                 tensors, grads = [], []
             input_grads, saved.pending = split_backward_input(
-                tensors, grads, saved.inputs, self._parameters_requiring_grad(step),
-                self._split_layouts,
+                tensors, grads, saved.inputs, self._parameters_requiring_grad(step)
             )
         return input_grads
 
@@ -444,8 +441,7 @@ class Stage(StagePosition):
                     mine = {id(p) for _, layer in self.layers[run.start:run.stop]
                             for p in layer.parameters()}
                     grads, run.pending = split_backward_input(
-                        tensors, root_grads, run.inputs, [p for p in params if id(p) in mine],
-                        self._split_layouts)
+                        tensors, root_grads, run.inputs, [p for p in params if id(p) in mine])
                 else:
                     if tensors and tensors[0].requires_grad:
                         torch.autograd.backward(tensors, root_grads)  # type: ignore[arg-type]

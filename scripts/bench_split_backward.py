@@ -7,12 +7,10 @@ pre-norm MLP blocks or ``nn.TransformerEncoderLayer``s, in both re-materializati
 at the micro-batch of M=8 (4 sentence pairs or images); the first stage's input needs no
 gradient (its I is empty, its W the whole backward), the second ends in the loss.
 
-Each round runs one forward + B, one forward + I + W, one forward + I + W with W by an
+Each round runs one forward + B, one forward + I + W, and one forward + I + W with W by an
 autograd call at every boundary (what W did before it computed linear and convolution weight
-gradients from their saved inputs; the benchmark switches ``split_backward``'s direct path off),
-and one forward + I + W with I's analysis of the graph done anew (what every micro-batch paid
-before a stage kept it across micro-batches, ``SplitLayouts``; the benchmark hands I no
-layouts): round-robin, so that load drifts touch all alike; one thread. It reports the median seconds of B, I, W and I + W; a
+gradients from their saved inputs; the benchmark switches ``split_backward``'s direct path off): round-robin, so that load
+drifts touch all alike; one thread. It reports the median seconds of B, I, W and I + W; a
 zero-bubble schedule pays I + W - B per micro-batch for moving W off the critical path.
 After the timed rounds, ``--op-rounds`` more run under ``torch.profiler``: each kind's aten
 operators' own time (``operators``: what the arithmetic costs, and the rest of the wall time,
@@ -104,7 +102,7 @@ def app_cases(args: argparse.Namespace) -> list[Case]:
 
 
 APP_FAMILIES = {"nmt_app": "transformer", "amoebanet_app": "amoebanet"}
-KINDS = ("B", "I+W", "I+W autograd", "I+W anew")
+KINDS = ("B", "I+W", "I+W autograd")
 
 
 def measure(case: Case, step: int, kind: str) -> list[float]:
@@ -120,18 +118,15 @@ def measure(case: Case, step: int, kind: str) -> list[float]:
     if kind == "B":
         stage.backward(step, 0, grads)
         return [time.perf_counter() - start]
-    direct, layouts = split_backward._run_directly, stage._split_layouts
+    direct = split_backward._run_directly
     if kind == "I+W autograd":  # every group through autograd, as before weight_grads
         split_backward._run_directly = lambda group, captured: False  # type: ignore[assignment]
-    if kind == "I+W anew":  # the graph analysed again, as before a stage kept its layouts
-        stage._split_layouts = None
     try:
         stage.backward_input(step, 0, grads)
         middle = time.perf_counter()
         stage.backward_weight(step, 0)
     finally:
         split_backward._run_directly = direct  # type: ignore[assignment]
-        stage._split_layouts = layouts
     return [middle - start, time.perf_counter() - middle]
 
 
@@ -209,35 +204,27 @@ def main() -> None:
     print(f"{args.model}: median of {args.rounds} rounds, 1 thread (ms); W autograd: an "
           "autograd call at every boundary")
     print(f"{'stage':<9}{'B':>8}{'I':>8}{'W':>8}{'I+W':>8}{'(I+W)/B':>9}"
-          f"{'W autograd':>12}{'(I+W)/B':>9}{'I anew':>9}{'(I+W)/B':>9}")
+          f"{'W autograd':>12}{'(I+W)/B':>9}")
     report = []
     for case in cases:
         fused = [r[0] for r in samples[(case.name, "B")]]
         split, engine = samples[(case.name, "I+W")], samples[(case.name, "I+W autograd")]
-        anew = samples[(case.name, "I+W anew")]
         b = statistics.median(fused)
         i = statistics.median(r[0] for r in split)
         w = statistics.median(r[1] for r in split)
         both = statistics.median(r[0] + r[1] for r in split)
         w_engine = statistics.median(r[1] for r in engine)
         both_engine = statistics.median(r[0] + r[1] for r in engine)
-        i_anew = statistics.median(r[0] for r in anew)
-        both_anew = statistics.median(r[0] + r[1] for r in anew)
         print(f"{case.name:<9}{b * 1e3:>8.2f}{i * 1e3:>8.2f}{w * 1e3:>8.2f}{both * 1e3:>8.2f}"
-              f"{both / b:>9.2f}{w_engine * 1e3:>12.2f}{both_engine / b:>9.2f}"
-              f"{i_anew * 1e3:>9.2f}{both_anew / b:>9.2f}")
+              f"{both / b:>9.2f}{w_engine * 1e3:>12.2f}{both_engine / b:>9.2f}")
         row: dict[str, Any] = {
             "checkpoint" if args.model not in APP_FAMILIES else "stage": case.name,
             "B": b, "I": i, "W": w, "I+W": both,
             "W_autograd": w_engine, "I+W_autograd": both_engine,
             "W_rounds_won_by_direct": sum(a[1] < e[1] for a, e in zip(split, engine, strict=True)),
-            "I_anew": i_anew, "I+W_anew": both_anew,
-            # rounds whose I with the kept analysis took less than with it done anew
-            "I_rounds_won_by_kept": sum(a[0] < n[0] for a, n in zip(split, anew, strict=True)),
             "samples": {"B": fused, "I": [r[0] for r in split], "W": [r[1] for r in split],
                         "I_autograd": [r[0] for r in engine],
-                        "W_autograd": [r[1] for r in engine],
-                        "I_anew": [r[0] for r in anew], "W_anew": [r[1] for r in anew]}}
+                        "W_autograd": [r[1] for r in engine]}}
         if args.op_rounds > 0:  # after the timed rounds, so that profiling never touches them
             ops = operator_time(case, args.op_rounds, 10_000)
             walls = {"B": b, "I": i, "W": w}
