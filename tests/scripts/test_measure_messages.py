@@ -39,7 +39,7 @@ def test_measure_messages_quick(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert_provenance(report)
     rows = report["rows"]
-    assert [r["bytes"] for r in rows] == [32 * 1024, 512 * 1024]
+    assert [r["bytes"] for r in rows] == [32 * 1024, 4096 * 1024]
     for row in rows:
         assert row["send_cpu_s"] > 0 and row["receive_cpu_s"] > 0
         assert row["end_cpu_s"] == pytest.approx((row["send_cpu_s"] + row["receive_cpu_s"]) / 2)
