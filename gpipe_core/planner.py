@@ -745,17 +745,17 @@ class _Selective:
         rebuilt activations up to the layer (a fused backward rebuilds one run at a time and
         frees each layer's as it passes it; a split backward's I keeps them all until W, which
         the simulation counts), and the layer's own backward (the gradient it receives,
-        temporaries, its parameters' fresh gradients, its input's gradient); less what the kept layers it has passed saved of
-        their own making (their intermediates and outputs, which only later layers read: all
-        passed by then). Before a recomputed run's backward, its forward runs again
-        (:meth:`_rerun`): a layer whose forward holds temporaries beside what it leaves (an
-        AmoebaNet cell's concatenation) can make that the larger moment. What they saved of their inputs is not subtracted (an earlier layer
-        may still hold it: AmoebaNet's cells read the two previous outputs), nor what the
-        stage's last layer saved of its output (held to the end; all it saved where that is not
-        known), so the count stays an upper bound; it
-        may be negative (the kept bytes it adds to count the whole micro-batch). ``first``:
-        the stage's first backward, whose gradients stay: while a layer's backward runs, the
-        stage also holds the gradients its later layers made."""
+        temporaries, its parameters' fresh gradients, its input's gradient); less what the
+        kept layers it has passed saved of their own making (their intermediates and outputs,
+        which only later layers read: all passed by then). Before a recomputed run's backward,
+        its forward runs again (:meth:`_rerun`): a layer whose forward holds temporaries beside
+        what it leaves (an AmoebaNet cell's concatenation) can make that the larger moment.
+        What they saved of their inputs is not subtracted (an earlier layer may still hold it:
+        AmoebaNet's cells read the two previous outputs), nor what the stage's last layer saved
+        of its output (held to the end; all it saved where that is not known), so the count
+        stays an upper bound; it may be negative (the kept bytes it adds to count the whole
+        micro-batch). ``first``: the stage's first backward, whose gradients stay: while a
+        layer's backward runs, the stage also holds the gradients its later layers made."""
         a, b = self.stages[s]
         runs = self._runs(s, keep)
         # what the kept layers from i on saved of their own making; of the stage's last, only
